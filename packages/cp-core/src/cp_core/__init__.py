@@ -1,0 +1,63 @@
+"""cp_core: context-parallel primitives for packed rows (torch only).
+
+The pieces, in the order one packed row meets them:
+
+- :class:`CPTopology`: the process group that shards the sequence, and this rank's place in it.
+- :func:`build_packed_metadata`: global document lengths -> global and per-rank boundaries.
+- :func:`shard_sequence` / :func:`gather_sequence`: contiguous sharding and its autograd inverse
+  (also for [B, S] position ids and [3, B, S] MRoPE positions).
+- :func:`ulysses_attention`: all-to-all sequence parallelism around varlen causal attention
+  (:func:`varlen_causal_attention`, with torch, torch-varlen and flash-attn backends).
+"""
+
+from cp_core.attention import AttentionBackend, resolve_attention_backend, varlen_causal_attention
+from cp_core.errors import ContextParallelError
+from cp_core.packing import (
+    PackedRowMetadata,
+    build_packed_metadata,
+    check_divisible,
+    cu_seqlens_from_lens,
+    normalize_seq_lens,
+    position_ids_from_seq_lens,
+)
+from cp_core.sharding import (
+    gather_sequence,
+    shard_mrope_positions,
+    shard_position_ids,
+    shard_sequence,
+)
+from cp_core.topology import CPTopology
+from cp_core.ulysses import (
+    check_ulysses_heads,
+    heads_to_sequence,
+    qkv_sequence_to_heads,
+    replicate_kv_heads,
+    sequence_to_heads,
+    ulysses_attention,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionBackend",
+    "CPTopology",
+    "ContextParallelError",
+    "PackedRowMetadata",
+    "build_packed_metadata",
+    "check_divisible",
+    "check_ulysses_heads",
+    "cu_seqlens_from_lens",
+    "gather_sequence",
+    "heads_to_sequence",
+    "normalize_seq_lens",
+    "position_ids_from_seq_lens",
+    "qkv_sequence_to_heads",
+    "replicate_kv_heads",
+    "resolve_attention_backend",
+    "sequence_to_heads",
+    "shard_mrope_positions",
+    "shard_position_ids",
+    "shard_sequence",
+    "ulysses_attention",
+    "varlen_causal_attention",
+]

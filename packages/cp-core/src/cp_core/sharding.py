@@ -1,0 +1,95 @@
+"""Contiguous sequence sharding and its inverse (an autograd all-gather).
+
+Rank ``r`` of ``cp`` keeps tokens ``[r * S / cp, (r + 1) * S / cp)``. Shapes are checked before any
+collective so that bad input raises the same error on every rank instead of hanging one of them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from cp_core.errors import ContextParallelError
+from cp_core.packing import check_divisible
+from cp_core.topology import CPTopology
+
+GatherBackward = Literal["slice", "sum"]
+
+
+def check_batch_one(x: torch.Tensor, topology: CPTopology, batch_dim: int, what: str) -> None:
+    """CP shards one packed row; raise if ``x`` holds more than one row while CP is on."""
+    if topology.enabled and x.size(batch_dim) != 1:
+        raise ContextParallelError(
+            f"{what} has batch size {x.size(batch_dim)} (shape {tuple(x.shape)}), but context parallelism "
+            "shards one packed row: use micro-batch size 1 and pack documents into the row instead"
+        )
+
+
+def shard_sequence(x: torch.Tensor, topology: CPTopology, dim: int = 0) -> torch.Tensor:
+    """This rank's contiguous shard of ``x`` along ``dim`` (a view; gradients flow back into ``x``)."""
+    if not topology.enabled:
+        return x
+    check_divisible(x.size(dim), topology.size, what=f"sequence length (dim {dim} of shape {tuple(x.shape)})")
+    local = x.size(dim) // topology.size
+    return x.narrow(dim, topology.rank * local, local)
+
+
+def shard_position_ids(position_ids: torch.Tensor, topology: CPTopology) -> torch.Tensor:
+    """Shard 1-D-rope position ids of shape [B, S] (B must be 1 under CP) along the sequence."""
+    if position_ids.dim() != 2:
+        raise ContextParallelError(f"position_ids must be [B, S], got shape {tuple(position_ids.shape)}")
+    check_batch_one(position_ids, topology, 0, "position_ids")
+    return shard_sequence(position_ids, topology, dim=1)
+
+
+def shard_mrope_positions(position_ids: torch.Tensor, topology: CPTopology) -> torch.Tensor:
+    """Shard 3-D MRoPE position ids of shape [3, B, S] (t, h, w; B must be 1 under CP) along the sequence."""
+    if position_ids.dim() != 3 or position_ids.size(0) != 3:
+        raise ContextParallelError(
+            f"MRoPE position ids must be [3, B, S] (temporal, height, width), got shape {tuple(position_ids.shape)}"
+        )
+    check_batch_one(position_ids, topology, 1, "MRoPE position ids")
+    return shard_sequence(position_ids, topology, dim=2)
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, topology: CPTopology, backward: GatherBackward) -> torch.Tensor:
+        ctx.topology, ctx.backward_mode = topology, backward
+        x = x.contiguous()
+        out = x.new_empty((topology.size * x.size(0), *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x, group=topology.group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        topology: CPTopology = ctx.topology
+        local = grad.size(0) // topology.size
+        if ctx.backward_mode == "slice":
+            return grad.narrow(0, topology.rank * local, local).contiguous(), None, None
+        grad = grad.contiguous()
+        out = grad.new_empty((local, *grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, grad, op=dist.ReduceOp.SUM, group=topology.group)
+        return out, None, None
+
+
+def gather_sequence(
+    x: torch.Tensor, topology: CPTopology, dim: int = 0, backward: GatherBackward = "slice"
+) -> torch.Tensor:
+    """All-gather the shards of every rank along ``dim``, with autograd.
+
+    ``backward`` says how the gathered tensor is used afterwards:
+
+    - ``"slice"``: every rank computes the same thing from the full tensor (replicated work), so each
+      rank's shard gets its own slice of the gradient and nothing is communicated.
+    - ``"sum"``: ranks use the full tensor differently (e.g. each keeps a different part of what it
+      computes), so the shard's gradient is the sum over ranks (a reduce-scatter).
+    """
+    if backward not in ("slice", "sum"):
+        raise ContextParallelError(f"backward must be 'slice' or 'sum', got {backward!r}")
+    if not topology.enabled:
+        return x
+    moved = x.movedim(dim, 0)
+    return _GatherSequence.apply(moved, topology, backward).movedim(0, dim)

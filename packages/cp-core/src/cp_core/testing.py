@@ -1,0 +1,473 @@
+"""Parity harness: run code on real multi-process gloo CP groups and compare it with an unsharded run.
+
+This module is public so that users can prove their own CP layers the way this project proves its own:
+
+    from cp_core.testing import GlooWorkers, check_cp_parity, layout_cases
+
+    with GlooWorkers(world_size=2) as workers:          # spawned once, reused for many cases
+        for name, seq_lens in layout_cases(64, cp=2).items():
+            report = check_cp_parity(workers, my_case, seq_lens=seq_lens, inputs={"x": x}, seq_dims={"x": 0})
+            report.assert_close(rtol=1e-5)
+
+Functions sent to workers must be importable by name (defined at module top level); arguments and results
+travel through ``torch.save``. Every wait is bounded: a rank that does not answer in time raises
+``TimeoutError`` in the parent and the workers are restarted, so a CP bug shows as a failure, never a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import multiprocessing as mp
+import os
+import random
+import socket
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from cp_core.packing import build_packed_metadata
+from cp_core.sharding import shard_sequence
+from cp_core.topology import CPTopology
+
+# --------------------------------------------------------------------------------------------------------
+# Worker pool
+
+
+def _dumps(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+@dataclass
+class RankFailure:
+    """An exception raised on one rank, carried back to the parent."""
+
+    rank: int
+    type_name: str
+    message: str
+    traceback: str
+    exception: BaseException | None = None
+
+
+class RankError(RuntimeError):
+    """One or more ranks raised; ``failures`` holds each rank's exception."""
+
+    def __init__(self, failures: list[RankFailure]):
+        self.failures = failures
+        details = "\n".join(f"--- rank {f.rank}: {f.type_name}: {f.message}\n{f.traceback}" for f in failures)
+        super().__init__(f"{len(failures)} rank(s) raised:\n{details}")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_main(rank: int, world_size: int, port: int, conn, collective_timeout_s: float) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=collective_timeout_s),
+    )
+    topology = CPTopology.from_group(dist.group.WORLD)
+    try:
+        while True:
+            message = conn.recv_bytes()
+            if not message:
+                break
+            try:
+                fn, args, kwargs = _loads(message)
+                reply = ("ok", fn(topology, *args, **kwargs))
+            except BaseException as exc:  # report every failure to the parent, keep serving
+                tb = traceback.format_exc()
+                try:
+                    _dumps(exc)
+                    carried = exc
+                except Exception:
+                    carried = None
+                reply = ("error", RankFailure(rank, type(exc).__name__, str(exc), tb, carried))
+            conn.send_bytes(_dumps(reply))
+    finally:
+        dist.destroy_process_group()
+
+
+class GlooWorkers:
+    """``world_size`` spawned processes forming one gloo process group, reused across many calls.
+
+    ``run(fn, *args)`` calls ``fn(topology, *args)`` on every rank and returns the per-rank results.
+    """
+
+    def __init__(self, world_size: int, timeout_s: float = 180.0, collective_timeout_s: float = 60.0):
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.collective_timeout_s = collective_timeout_s
+        self._procs: list[mp.Process] = []
+        self._conns: list[Any] = []
+
+    def __enter__(self) -> GlooWorkers:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        if self._procs:
+            return
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        env_threads = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            for rank in range(self.world_size):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(
+                    target=_worker_main,
+                    args=(rank, self.world_size, port, child, self.collective_timeout_s),
+                    daemon=True,
+                )
+                proc.start()
+                child.close()
+                self._procs.append(proc)
+                self._conns.append(parent)
+        finally:
+            if env_threads is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = env_threads
+
+    def close(self) -> None:
+        for conn in self._conns:
+            with contextlib.suppress(BrokenPipeError, OSError):
+                conn.send_bytes(b"")
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+
+    def _kill(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+
+    def run_collect(self, fn: Callable, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+        """Like :meth:`run`, but returns a :class:`RankFailure` in place of each rank that raised."""
+        self.start()
+        payload = _dumps((fn, args, kwargs))
+        for conn in self._conns:
+            conn.send_bytes(payload)
+        deadline = timeout_s if timeout_s is not None else self.timeout_s
+        results: list[Any] = []
+        silent: list[int] = []
+        for rank, conn in enumerate(self._conns):
+            if conn.poll(deadline):
+                _status, value = _loads(conn.recv_bytes())
+                results.append(value)
+            else:
+                silent.append(rank)
+                deadline = 1.0  # the others had the whole budget already
+        if silent:
+            self._kill()  # the group may be wedged in a collective; the next call starts afresh
+            raise TimeoutError(
+                f"rank(s) {silent} of {self.world_size} did not answer within {timeout_s or self.timeout_s:.0f} s "
+                f"running {getattr(fn, '__qualname__', fn)}; workers restarted"
+            )
+        return results
+
+    def run(self, fn: Callable, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+        """``fn(topology, *args, **kwargs)`` on every rank; raises :class:`RankError` if any rank raised."""
+        results = self.run_collect(fn, *args, timeout_s=timeout_s, **kwargs)
+        failures = [r for r in results if isinstance(r, RankFailure)]
+        if failures:
+            raise RankError(failures)
+        return results
+
+
+# --------------------------------------------------------------------------------------------------------
+# Packed layouts
+
+
+def random_seq_lens(total_len: int, rng: random.Random, max_docs: int | None = None) -> list[int]:
+    """Random positive document lengths summing to ``total_len`` (between 1 and ``max_docs`` documents)."""
+    max_docs = min(total_len, max_docs or total_len)
+    num_docs = rng.randint(1, max_docs)
+    cuts = sorted(rng.sample(range(1, total_len), num_docs - 1))
+    bounds = [0, *cuts, total_len]
+    return [b - a for a, b in itertools.pairwise(bounds)]
+
+
+def _lens_from_bounds(bounds: Sequence[int], total_len: int) -> list[int]:
+    points = sorted({0, total_len, *(b for b in bounds if 0 < b < total_len)})
+    return [b - a for a, b in itertools.pairwise(points)]
+
+
+def layout_cases(total_len: int, cp: int, seed: int = 0) -> dict[str, list[int]]:
+    """Named packed layouts that stress CP boundaries, for a row of ``total_len`` tokens over ``cp`` ranks.
+
+    - ``single_document``: one document fills the row (it spans every rank).
+    - ``cuts_on_boundaries``: every shard boundary is also a document boundary.
+    - ``cuts_inside_documents``: random documents, none starting exactly at a shard boundary.
+    - ``spans_all_ranks``: a document from inside the first shard to inside the last (middle ranks hold only
+      its middle), with short documents around it.
+    - ``tiny_documents``: documents of 1 to 3 tokens everywhere.
+    - ``mixed_random``: random lengths from a seeded generator.
+    """
+    if total_len % cp or total_len // cp < 4:
+        raise ValueError(f"layout_cases needs total_len divisible by cp with >= 4 tokens a rank, got {total_len}/{cp}")
+    rng = random.Random(seed)
+    local = total_len // cp
+    shard_cuts = [r * local for r in range(1, cp)]
+    cases: dict[str, list[int]] = {"single_document": [total_len]}
+
+    inner = list(shard_cuts)
+    for r in range(cp):
+        inner += [r * local + rng.randint(1, local - 1) for _ in range(rng.randint(0, 2))]
+    cases["cuts_on_boundaries"] = _lens_from_bounds(inner, total_len)
+
+    while True:
+        lens = random_seq_lens(total_len, rng, max_docs=max(2, total_len // 6))
+        bounds = set(_cumulative(lens))
+        if not bounds & set(shard_cuts):
+            break
+    cases["cuts_inside_documents"] = lens
+
+    start, end = rng.randint(1, local - 1), total_len - rng.randint(1, local - 1)
+    head = [start - 1, 1] if start > 1 else [1]
+    cases["spans_all_ranks"] = [*head, end - start, *([1] * (total_len - end))]
+
+    tiny: list[int] = []
+    while sum(tiny) < total_len:
+        tiny.append(min(rng.randint(1, 3), total_len - sum(tiny)))
+    cases["tiny_documents"] = tiny
+    cases["mixed_random"] = random_seq_lens(total_len, rng, max_docs=max(1, total_len // 4))
+    return cases
+
+
+def _cumulative(lens: Sequence[int]) -> list[int]:
+    out, acc = [], 0
+    for x in lens:
+        acc += x
+        out.append(acc)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------
+# Sharded vs unsharded parity
+
+
+@dataclass
+class ParityReport:
+    """Largest differences between the CP run and the unsharded run, per compared tensor.
+
+    ``relative`` is ``max |cp - ref| / max |ref|`` (the error relative to the tensor's scale).
+    """
+
+    absolute: dict[str, float] = field(default_factory=dict)
+    relative: dict[str, float] = field(default_factory=dict)
+
+    def add(self, name: str, got: torch.Tensor, expected: torch.Tensor) -> None:
+        if got.shape != expected.shape:
+            raise AssertionError(f"{name}: CP shape {tuple(got.shape)} != reference shape {tuple(expected.shape)}")
+        diff = (got.double() - expected.double()).abs().max().item() if got.numel() else 0.0
+        scale = expected.double().abs().max().item() if expected.numel() else 0.0
+        self.absolute[name] = diff
+        self.relative[name] = diff / scale if scale > 0 else diff
+
+    @property
+    def worst(self) -> tuple[str, float]:
+        name = max(self.relative, key=self.relative.__getitem__)
+        return name, self.relative[name]
+
+    def assert_close(self, rtol: float = 1e-5, rtols: Mapping[str, float] | None = None) -> None:
+        """Raise listing every tensor whose relative difference exceeds its tolerance."""
+        rtols = rtols or {}
+        bad = {
+            name: (rel, rtols.get(name, rtol))
+            for name, rel in self.relative.items()
+            if not rel <= rtols.get(name, rtol)  # NaN fails too
+        }
+        if bad:
+            lines = [f"{n}: relative {r:.3e} > {tol:.1e} (abs {self.absolute[n]:.3e})" for n, (r, tol) in bad.items()]
+            raise AssertionError("CP differs from the unsharded run:\n" + "\n".join(lines))
+
+    def __str__(self) -> str:
+        return "\n".join(f"{n}: rel {self.relative[n]:.2e} abs {self.absolute[n]:.2e}" for n in self.relative)
+
+
+ParityCase = Callable[..., torch.Tensor]
+
+
+def run_parity_case(
+    topology: CPTopology,
+    case: ParityCase,
+    seq_lens: Sequence[int],
+    inputs: Mapping[str, torch.Tensor],
+    seq_dims: Mapping[str, int | None],
+    module_factory: Callable[[], torch.nn.Module] | None,
+    out_seq_dim: int,
+    seed: int,
+) -> dict[str, Any]:
+    """One rank's share of a parity check (also the unsharded reference when ``topology.size == 1``).
+
+    Shards the sequence inputs, runs ``case(module, metadata, topology, **local_inputs)``, back-propagates a
+    fixed random output gradient (the same full tensor on every rank, sharded), and returns the local output
+    and the gradients of the local inputs and of the module's parameters.
+    """
+    metadata = build_packed_metadata(seq_lens, topology.rank, topology.size)
+    module = None
+    if module_factory is not None:
+        torch.manual_seed(seed)
+        module = module_factory()
+    local: dict[str, torch.Tensor] = {}
+    for name, tensor in inputs.items():
+        dim = seq_dims.get(name)
+        piece = tensor if dim is None else shard_sequence(tensor, topology, dim)
+        piece = piece.detach().clone()
+        local[name] = piece.requires_grad_(piece.is_floating_point())
+    out = case(module, metadata, topology, **local)
+    full_shape = list(out.shape)
+    full_shape[out_seq_dim] *= topology.size
+    generator = torch.Generator().manual_seed(seed + 1)
+    grad_out = torch.randn(full_shape, generator=generator, dtype=torch.float64).to(out.dtype)
+    grad_out = shard_sequence(grad_out, topology, out_seq_dim).to(out.device)
+    out.backward(grad_out)
+    grads = {f"grad.{n}": t.grad.detach().cpu() for n, t in local.items() if t.grad is not None}
+    params = {}
+    if module is not None:
+        params = {f"grad.param.{n}": p.grad.detach().cpu() for n, p in module.named_parameters() if p.grad is not None}
+    return {"out": out.detach().cpu(), **grads, **params}
+
+
+def check_cp_parity(
+    workers: GlooWorkers,
+    case: ParityCase,
+    *,
+    seq_lens: Sequence[int],
+    inputs: Mapping[str, torch.Tensor],
+    seq_dims: Mapping[str, int | None],
+    module_factory: Callable[[], torch.nn.Module] | None = None,
+    out_seq_dim: int = 0,
+    seed: int = 0,
+) -> ParityReport:
+    """Compare ``case`` on ``workers`` (sharded over ``workers.world_size`` ranks) with one unsharded run.
+
+    Compared: the output (shards concatenated), the gradient of every floating-point input (sequence-sharded
+    inputs concatenated, replicated ones summed over ranks) and of every module parameter (summed over ranks,
+    as a data-parallel-style all-reduce would). ``case`` must be a module-level function.
+    """
+    reference = run_parity_case(
+        CPTopology.single(), case, seq_lens, inputs, seq_dims, module_factory, out_seq_dim, seed
+    )
+    shards = workers.run(run_parity_case, case, seq_lens, inputs, seq_dims, module_factory, out_seq_dim, seed)
+    report = ParityReport()
+    for name, expected in reference.items():
+        missing = [rank for rank, shard in enumerate(shards) if name not in shard]
+        if missing:
+            raise AssertionError(f"{name} has a gradient unsharded but not on CP rank(s) {missing}")
+        pieces = [shard[name] for shard in shards]
+        if name == "out":
+            got = torch.cat(pieces, dim=out_seq_dim)
+        elif name.startswith("grad.param."):
+            got = torch.stack(pieces).sum(0)
+        else:
+            dim = seq_dims.get(name.removeprefix("grad."))
+            got = torch.stack(pieces).sum(0) if dim is None else torch.cat(pieces, dim=dim)
+        report.add(name, got, expected)
+    extra = set().union(*(shard.keys() for shard in shards)) - reference.keys()
+    if extra:
+        raise AssertionError(f"CP ranks produced gradients the unsharded run did not: {sorted(extra)}")
+    return report
+
+
+# --------------------------------------------------------------------------------------------------------
+# Communication accounting
+
+
+@dataclass
+class CollectiveRecord:
+    op: str
+    payload_bytes: int
+    """Bytes of the tensor handed to the collective on this rank."""
+    sent_bytes: int
+    """Bytes this rank sends to other ranks (the part of the payload that leaves the rank)."""
+
+
+class CommCounter(TorchDispatchMode):
+    """Records every c10d collective issued inside the ``with`` block, with the bytes this rank sends.
+
+    Counted from the tensors actually handed to the collectives. Bytes sent, for a group of ``n`` ranks:
+    all-to-all ``payload (n-1)/n``; all-gather ``payload (n-1)`` (each peer needs the shard); reduce-scatter
+    ``payload (n-1)/n``; all-reduce ``2 payload (n-1)/n`` (ring); send ``payload``; broadcast from root
+    ``payload (n-1)``, 0 elsewhere is not distinguished and counted as ``payload``.
+    """
+
+    def __init__(self, group_size: int):
+        super().__init__()
+        self.group_size = group_size
+        self.records: list[CollectiveRecord] = []
+
+    @property
+    def total_sent_bytes(self) -> int:
+        return sum(r.sent_bytes for r in self.records)
+
+    def _sent(self, op: str, payload: int) -> int:
+        n = self.group_size
+        if "alltoall" in op or "reduce_scatter" in op:
+            return payload * (n - 1) // n
+        if "allgather" in op:
+            return payload * (n - 1)
+        if "allreduce" in op:
+            return 2 * payload * (n - 1) // n
+        return payload
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func)
+        if name.startswith("c10d.") and not name.startswith(("c10d.barrier", "c10d.monitored_barrier")):
+            payload = _input_bytes(name, args)
+            self.records.append(CollectiveRecord(name, payload, self._sent(name, payload)))
+        return func(*args, **kwargs)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _tensors(item)]
+    return []
+
+
+def _input_bytes(op: str, args: tuple) -> int:
+    # c10d ops take (outputs, inputs, ...) for gathers/scatters and all-to-all, (tensors, ...) otherwise.
+    if any(key in op for key in ("alltoall", "allgather", "reduce_scatter", "_allgather_base", "_reduce_scatter")):
+        tensors = _tensors(args[1])
+    else:
+        tensors = _tensors(args[0])
+    return sum(t.numel() * t.element_size() for t in tensors)
