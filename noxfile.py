@@ -6,8 +6,6 @@ under test and its workspace dependencies, exactly as pinned in uv.lock (never G
 
 from __future__ import annotations
 
-import os
-
 import nox
 
 nox.options.default_venv_backend = "uv"
@@ -30,10 +28,10 @@ def _sync(session: nox.Session, package: str) -> None:
 
 
 def _make_test_session(package: str) -> None:
-    @nox.session(name=package, python=os.environ.get("CP_NOX_PYTHON", "3.11"))
+    @nox.session(name=package)  # the interpreter running nox (uv run nox: the workspace venv's)
     def _tests(session: nox.Session) -> None:
         _sync(session, package)
-        session.run("pytest", f"packages/{package}/tests", *session.posargs, success_codes=[0, 5])
+        session.run("pytest", f"packages/{package}/tests", *session.posargs)
 
 
 for _package in PACKAGES:

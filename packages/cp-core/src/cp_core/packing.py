@@ -27,7 +27,7 @@ def normalize_seq_lens(seq_lens: SeqLens, total_len: int | None = None) -> tuple
                 f"seq_lens must live on the CPU (got a tensor on {seq_lens.device}); reading it from the "
                 "device would synchronize every step. Keep the document lengths from the data loader on the host."
             )
-        if seq_lens.dim() != 1 or seq_lens.is_floating_point():
+        if seq_lens.dim() != 1 or seq_lens.is_floating_point() or seq_lens.is_complex() or seq_lens.dtype == torch.bool:
             raise ContextParallelError(
                 f"seq_lens must be a 1-D integer tensor of document lengths, got shape {tuple(seq_lens.shape)} "
                 f"and dtype {seq_lens.dtype}"
@@ -37,7 +37,9 @@ def normalize_seq_lens(seq_lens: SeqLens, total_len: int | None = None) -> tuple
         lens = tuple(seq_lens)
         for x in lens:
             if isinstance(x, bool) or not isinstance(x, int):
-                raise ContextParallelError(f"seq_lens must hold Python ints, got {x!r} of type {type(x).__name__}")
+                raise ContextParallelError(
+                    f"seq_lens must hold Python ints, got {x!r} of type {type(x).__name__} in seq_lens={list(lens)}"
+                )
     if not lens:
         raise ContextParallelError("seq_lens is empty: a packed row needs at least one document")
     bad = [x for x in lens if x <= 0]

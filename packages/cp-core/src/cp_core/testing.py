@@ -23,6 +23,7 @@ import multiprocessing as mp
 import os
 import random
 import socket
+import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -183,16 +184,21 @@ class GlooWorkers:
         payload = _dumps((fn, args, kwargs))
         for conn in self._conns:
             conn.send_bytes(payload)
-        deadline = timeout_s if timeout_s is not None else self.timeout_s
+        # One deadline for the whole call (not per rank), so a hang is bounded by timeout_s however the
+        # ranks' answers are spread out in time.
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
         results: list[Any] = []
         silent: list[int] = []
         for rank, conn in enumerate(self._conns):
-            if conn.poll(deadline):
-                _status, value = _loads(conn.recv_bytes())
-                results.append(value)
-            else:
-                silent.append(rank)
-                deadline = 1.0  # the others had the whole budget already
+            try:
+                if conn.poll(max(0.0, deadline - time.monotonic())):
+                    _status, value = _loads(conn.recv_bytes())
+                    results.append(value)
+                    continue
+            except (EOFError, OSError):  # the worker died (crash, kill): the group is unusable as well
+                pass
+            silent.append(rank)
+            deadline = max(deadline, time.monotonic() + 1.0)  # a last short grace for the ranks not yet read
         if silent:
             self._kill()  # the group may be wedged in a collective; the next call starts afresh
             raise TimeoutError(
@@ -259,6 +265,8 @@ def layout_cases(total_len: int, cp: int, seed: int = 0) -> dict[str, list[int]]
     cases["cuts_inside_documents"] = lens
 
     start, end = rng.randint(1, local - 1), total_len - rng.randint(1, local - 1)
+    if end <= start:  # cp == 1: the first and last shard are the same one; keep the document non-empty
+        start, end = end, start + 1
     head = [start - 1, 1] if start > 1 else [1]
     cases["spans_all_ranks"] = [*head, end - start, *([1] * (total_len - end))]
 
@@ -424,8 +432,8 @@ class CommCounter(TorchDispatchMode):
 
     Counted from the tensors actually handed to the collectives. Bytes sent, for a group of ``n`` ranks:
     all-to-all ``payload (n-1)/n``; all-gather ``payload (n-1)`` (each peer needs the shard); reduce-scatter
-    ``payload (n-1)/n``; all-reduce ``2 payload (n-1)/n`` (ring); send ``payload``; broadcast from root
-    ``payload (n-1)``, 0 elsewhere is not distinguished and counted as ``payload``.
+    ``payload (n-1)/n``; all-reduce ``2 payload (n-1)/n`` (ring); send ``payload``; receive 0; anything else
+    (e.g. broadcast) ``payload``.
     """
 
     def __init__(self, group_size: int):
@@ -439,6 +447,8 @@ class CommCounter(TorchDispatchMode):
 
     def _sent(self, op: str, payload: int) -> int:
         n = self.group_size
+        if "recv" in op:
+            return 0
         if "alltoall" in op or "reduce_scatter" in op:
             return payload * (n - 1) // n
         if "allgather" in op:

@@ -89,6 +89,8 @@ def heads_to_sequence(x: torch.Tensor, topology: CPTopology) -> torch.Tensor:
         return x
     cp = topology.size
     seq, heads, dim = x.shape
+    if seq % cp:
+        raise ContextParallelError(f"cannot split {seq} tokens over cp={cp} ranks")
     received = _exchange(x.reshape(cp, seq // cp, heads, dim), topology)  # [cp (head group), S/cp, H/cp, D]
     return received.transpose(0, 1).reshape(seq // cp, cp * heads, dim)
 
@@ -142,6 +144,11 @@ def ulysses_attention(
     if q.dim() != 3 or q.size(0) != metadata.local_len:
         raise ContextParallelError(
             f"q must be [local tokens={metadata.local_len}, heads, head_dim] for this shard, got {tuple(q.shape)}"
+        )
+    if k.dim() != 3 or v.dim() != 3 or k.size(0) != q.size(0) or v.size(0) != q.size(0) or k.size(1) != v.size(1):
+        raise ContextParallelError(
+            f"k and v must be [{q.size(0)} local tokens, kv_heads, head_dim] like q {tuple(q.shape)}; "
+            f"got k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
     check_ulysses_heads(q.size(1), k.size(1), topology.size)
     qh, kh, vh = qkv_sequence_to_heads(q, k, v, topology)
