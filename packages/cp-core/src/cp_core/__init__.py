@@ -8,10 +8,21 @@ The pieces, in the order one packed row meets them:
   (also for [B, S] position ids and [3, B, S] MRoPE positions).
 - :func:`ulysses_attention`: all-to-all sequence parallelism around varlen causal attention
   (:func:`varlen_causal_attention`, with torch, torch-varlen and flash-attn backends).
+- Recurrent layers: :func:`causal_conv1d_cp` (halo exchange with document resets), :func:`ssd_cp` (Mamba-2) and
+  :func:`gated_delta_rule_cp` (Gated DeltaNet), exact by passing states down the ranks (:func:`pass_states`);
+  torch paths everywhere, flash-linear-attention kernels on CUDA when installed.
 """
 
 from cp_core.attention import AttentionBackend, resolve_attention_backend, varlen_causal_attention
+from cp_core.conv import causal_conv1d, causal_conv1d_cp, exchange_halo, naive_causal_conv1d
 from cp_core.errors import ContextParallelError
+from cp_core.gated_delta import (
+    chunk_gated_delta_rule_torch,
+    gated_delta_rule,
+    gated_delta_rule_cp,
+    naive_recurrent_gated_delta_rule,
+)
+from cp_core.kernels import RecurrentBackend, resolve_recurrent_backend
 from cp_core.packing import (
     PackedRowMetadata,
     build_packed_metadata,
@@ -26,6 +37,8 @@ from cp_core.sharding import (
     shard_position_ids,
     shard_sequence,
 )
+from cp_core.ssd import chunk_ssd_torch, naive_recurrent_ssd, ssd, ssd_cp
+from cp_core.state_passing import pass_states
 from cp_core.topology import CPTopology
 from cp_core.ulysses import (
     check_ulysses_heads,
@@ -43,21 +56,36 @@ __all__ = [
     "CPTopology",
     "ContextParallelError",
     "PackedRowMetadata",
+    "RecurrentBackend",
     "build_packed_metadata",
+    "causal_conv1d",
+    "causal_conv1d_cp",
     "check_divisible",
     "check_ulysses_heads",
+    "chunk_gated_delta_rule_torch",
+    "chunk_ssd_torch",
     "cu_seqlens_from_lens",
+    "exchange_halo",
+    "gated_delta_rule",
+    "gated_delta_rule_cp",
     "gather_sequence",
     "heads_to_sequence",
+    "naive_causal_conv1d",
+    "naive_recurrent_gated_delta_rule",
+    "naive_recurrent_ssd",
     "normalize_seq_lens",
+    "pass_states",
     "position_ids_from_seq_lens",
     "qkv_sequence_to_heads",
     "replicate_kv_heads",
     "resolve_attention_backend",
+    "resolve_recurrent_backend",
     "sequence_to_heads",
     "shard_mrope_positions",
     "shard_position_ids",
     "shard_sequence",
+    "ssd",
+    "ssd_cp",
     "ulysses_attention",
     "varlen_causal_attention",
 ]

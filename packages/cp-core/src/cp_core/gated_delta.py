@@ -1,0 +1,256 @@
+"""Gated delta rule (Gated DeltaNet) over packed documents, with exact context parallelism.
+
+Per value head, with state ``S`` [K, V]:
+
+    S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,      o_t = scale * S_t^T q_t
+
+``q, k`` [T, Hk, K], ``v`` [T, Hv, V], ``g`` (log decay, <= 0) and ``beta`` [T, Hv]; Hv a multiple of Hk (value
+head ``j`` reads key head ``j // (Hv / Hk)``). The state restarts at zero at every document start, except that the
+first document may start from ``initial_state[0]`` (``initial_state`` is [num_docs, Hv, K, V]).
+
+Three implementations: :func:`naive_recurrent_gated_delta_rule` (per token; the oracle), the chunked torch form
+:func:`chunk_gated_delta_rule_torch` (WY representation, document-aligned chunks), and flash-linear-attention's
+``chunk_gated_delta_rule`` on CUDA. :func:`gated_delta_rule_cp` makes any of them exact under CP: a pre-pass over
+the last local document yields its ``(S_ext, M)`` (M by running the same recurrence on identity state columns),
+:func:`cp_core.state_passing.pass_states` chains them down the ranks into the first document's initial state,
+and the main pass starts from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from cp_core.chunking import build_chunk_layout
+from cp_core.errors import ContextParallelError
+from cp_core.kernels import RecurrentBackend, resolve_recurrent_backend
+from cp_core.numerics import upcast
+from cp_core.packing import PackedRowMetadata, cu_seqlens_from_lens
+from cp_core.state_passing import pass_states
+from cp_core.topology import CPTopology
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum x^2 + eps)`` over the last dim, in at least fp32 (the normalization of q and k in GDN)."""
+    x = upcast(x)
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x if x.size(1) == heads else x.repeat_interleave(heads // x.size(1), dim=1)
+
+
+def _prepare(q, k, v, g, beta, scale, qk_l2norm):
+    hv = v.size(1)
+    q, k = _expand_heads(q, hv), _expand_heads(k, hv)
+    if qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    scale = q.size(-1) ** -0.5 if scale is None else scale
+    return upcast(q) * scale, upcast(k), upcast(v), upcast(g), upcast(beta)
+
+
+def _check(q, k, v, g, beta, seq_lens: Sequence[int], initial_state) -> None:
+    t = q.size(0)
+    if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.size(0) != t:
+        raise ContextParallelError(
+            f"expected q, k [T, Hk, K] and v [T, Hv, V]; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if v.size(1) % q.size(1):
+        raise ContextParallelError(f"value heads {v.size(1)} must be a multiple of key heads {q.size(1)}")
+    if g.shape != (t, v.size(1)) or beta.shape != (t, v.size(1)):
+        raise ContextParallelError(
+            f"g and beta must be [T, Hv] = {[t, v.size(1)]}, got {tuple(g.shape)} and {tuple(beta.shape)}"
+        )
+    if sum(seq_lens) != t:
+        raise ContextParallelError(f"document lengths sum to {sum(seq_lens)} but there are {t} tokens")
+    expected = (len(seq_lens), v.size(1), q.size(2), v.size(2))
+    if initial_state is not None and tuple(initial_state.shape) != expected:
+        raise ContextParallelError(
+            f"initial_state must be [docs, Hv, K, V] = {list(expected)}, got {tuple(initial_state.shape)}"
+        )
+
+
+def naive_recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    seq_lens: Sequence[int],
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    qk_l2norm: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token reference (fp32). Returns ``(o [T, Hv, V], final_state [docs, Hv, K, V])``."""
+    _check(q, k, v, g, beta, seq_lens, initial_state)
+    out_dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, qk_l2norm)
+    outputs, finals, offset = [], [], 0
+    for doc, length in enumerate(seq_lens):
+        state = q.new_zeros(v.size(1), q.size(2), v.size(2))
+        if initial_state is not None:
+            state = upcast(initial_state[doc])
+        for t in range(offset, offset + length):
+            state = g[t].exp()[:, None, None] * state
+            predicted = torch.einsum("hk,hkv->hv", k[t], state)
+            state = state + k[t][:, :, None] * (beta[t][:, None] * (v[t] - predicted))[:, None, :]
+            outputs.append(torch.einsum("hk,hkv->hv", q[t], state))
+        finals.append(state)
+        offset += length
+    return torch.stack(outputs).to(out_dtype), torch.stack(finals)
+
+
+def chunk_gated_delta_rule_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    seq_lens: Sequence[int],
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    qk_l2norm: bool = False,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked (WY) torch implementation, fp32 inside. Returns ``(o [T, Hv, V], final_state [docs, Hv, K, V])``.
+
+    Within a chunk with cumulative log decay ``G`` (so ``gamma_t = exp(G_t)``) and entering state ``S``:
+    ``U = T (beta V) - T (beta gamma K) S`` with ``T = (I + A)^-1``, ``A[t, s] = beta_t gamma_t / gamma_s k_t.k_s``
+    for s < t; then ``O = (gamma Q) S + (Q K^T * D) U`` and ``S' = gamma_L S + (K gamma_L / gamma)^T U``.
+    """
+    _check(q, k, v, g, beta, seq_lens, initial_state)
+    out_dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, qk_l2norm)
+    layout = build_chunk_layout(seq_lens, chunk_size)
+    qc, kc, vc = (layout.gather(t).transpose(1, 2) for t in (q, k, v))  # [C, H, L, D]
+    gc, bc = (layout.gather(t).transpose(1, 2) for t in (g, beta))  # [C, H, L]
+    cum = gc.cumsum(-1)
+    lower = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()  # gamma_t/gamma_s, s<=t
+    strictly_lower = lower.tril(-1)
+    a = (bc[..., None] * (kc @ kc.transpose(-1, -2)) * decay).masked_fill(~strictly_lower, 0.0)
+    eye = torch.eye(chunk_size, device=q.device, dtype=a.dtype).expand_as(a)
+    t_inv = torch.linalg.solve_triangular(a + eye, eye, upper=False)
+    gamma = cum.exp()
+    w = t_inv @ ((bc * gamma)[..., None] * kc)
+    u = t_inv @ (bc[..., None] * vc)
+    attn = (qc @ kc.transpose(-1, -2)) * decay
+    q_decayed = qc * gamma[..., None]
+    k_to_end = kc * (cum[..., -1:] - cum).exp()[..., None]
+    gamma_end = gamma[..., -1, None, None]
+
+    heads, dk, dv = v.size(1), q.size(2), v.size(2)
+    zero = q.new_zeros(heads, dk, dv)
+    state = zero
+    outputs, finals = [], []
+    for c in range(layout.num_chunks):
+        if layout.chunk_starts_doc[c]:
+            doc = layout.chunk_doc[c]
+            state = upcast(initial_state[doc]) if initial_state is not None else zero
+        new_values = u[c] - w[c] @ state
+        outputs.append(q_decayed[c] @ state + attn[c] @ new_values)
+        state = gamma_end[c] * state + k_to_end[c].transpose(-1, -2) @ new_values
+        if c == layout.doc_last_chunk[layout.chunk_doc[c]]:
+            finals.append(state)
+    o = layout.scatter(torch.stack(outputs).transpose(1, 2))
+    return o.to(out_dtype), torch.stack(finals)
+
+
+def _chunk_gated_delta_rule_fla(q, k, v, g, beta, *, seq_lens, scale, initial_state, qk_l2norm):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    cu_cpu = cu_seqlens_from_lens(seq_lens).long()
+    o, final = chunk_gated_delta_rule(
+        q.unsqueeze(0),
+        k.unsqueeze(0),
+        v.unsqueeze(0),
+        g.unsqueeze(0).float(),
+        beta.unsqueeze(0),
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=qk_l2norm,
+        cu_seqlens=cu_cpu.to(q.device, non_blocking=True),
+        cu_seqlens_cpu=cu_cpu,
+    )
+    return o.squeeze(0), final
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    seq_lens: Sequence[int],
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    qk_l2norm: bool = False,
+    backend: RecurrentBackend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated delta rule over local documents ``seq_lens`` with the chosen backend (no CP)."""
+    _check(q, k, v, g, beta, seq_lens, initial_state)
+    if resolve_recurrent_backend(backend, q) == "fla":
+        return _chunk_gated_delta_rule_fla(
+            q, k, v, g, beta, seq_lens=seq_lens, scale=scale, initial_state=initial_state, qk_l2norm=qk_l2norm
+        )
+    return chunk_gated_delta_rule_torch(
+        q, k, v, g, beta, seq_lens=seq_lens, scale=scale, initial_state=initial_state, qk_l2norm=qk_l2norm
+    )
+
+
+def gated_delta_rule_cp(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    metadata: PackedRowMetadata,
+    topology: CPTopology,
+    *,
+    scale: float | None = None,
+    qk_l2norm: bool = False,
+    backend: RecurrentBackend = "auto",
+) -> torch.Tensor:
+    """This rank's output of the gated delta rule over a packed row sharded over ``topology``.
+
+    Inputs are this rank's tokens ([S/cp, ...]); the result equals the matching slice of the unsharded run.
+    Communication: at most one ``[Hv, K, V]`` fp32 state to the next rank forward and one gradient back.
+    Extra compute: a pre-pass over the last local document when it continues on the next rank (with ``K`` extra
+    identity state columns when the state passes through this rank, to get the transition ``M``).
+    """
+    if q.size(0) != metadata.local_len:
+        raise ContextParallelError(
+            f"inputs hold {q.size(0)} tokens but this shard has {metadata.local_len} (rank {metadata.cp_rank} "
+            f"of cp={metadata.cp_size})"
+        )
+    lens = metadata.local_seq_lens
+    _check(q, k, v, g, beta, lens, None)
+    run = lambda *args, **kw: gated_delta_rule(*args, scale=scale, qk_l2norm=qk_l2norm, backend=backend, **kw)  # noqa: E731
+    if not topology.enabled:
+        return run(q, k, v, g, beta, seq_lens=lens)[0]
+    heads, dk, dv = v.size(1), q.size(2), v.size(2)
+    state_dtype = torch.promote_types(v.dtype, torch.float32)  # what every rank's chain buffers hold
+    final_state = q.new_zeros(heads, dk, dv, dtype=state_dtype)  # placeholders where nobody reads them
+    transition = q.new_zeros(heads, dk, dk, dtype=state_dtype)
+    if metadata.last_doc_continues:
+        # Pre-pass over the last document's local stretch, from a zero state, before the chain delivers S0.
+        tail = slice(metadata.local_len - lens[-1], None)
+        through = metadata.first_doc_starts_before and len(lens) == 1
+        if through:  # S0 passes through this rank: also need M. Identity state columns with zero values do it.
+            v_tail = torch.cat([v[tail], v.new_zeros(lens[-1], heads, dk)], dim=-1)
+            eye = torch.eye(dk, device=q.device, dtype=state_dtype).expand(1, heads, dk, dk)
+            init = torch.cat([eye.new_zeros(1, heads, dk, dv), eye], dim=-1)
+        else:
+            v_tail, init = v[tail], None
+        _, summary = run(q[tail], k[tail], v_tail, g[tail], beta[tail], seq_lens=[lens[-1]], initial_state=init)
+        final_state = summary[0, ..., :dv].to(state_dtype)
+        if through:
+            transition = summary[0, ..., dv:].to(state_dtype)
+    first_state = pass_states(final_state, transition, metadata, topology, "matrix", anchor=q)
+    initial = torch.cat([first_state[None], first_state.new_zeros(len(lens) - 1, heads, dk, dv)])
+    return run(q, k, v, g, beta, seq_lens=lens, initial_state=initial)[0]

@@ -1,0 +1,210 @@
+"""Mamba-2 SSD (a scalar-decay recurrence) over packed documents, with exact context parallelism.
+
+Per head ``h`` (state [P, N]), heads grouped onto ``G`` groups of B and C (head ``h`` uses group ``h // (H/G)``):
+
+    S_t = exp(dt_t A_h) S_{t-1} + dt_t x_t B_t^T,      y_t = S_t C_t + D_h x_t
+
+``x`` [T, H, P], ``dt`` [T, H] (already biased, softplus'ed and clamped by the layer), ``A`` [H] (negative),
+``B, C`` [T, G, N], ``D`` [H] or None. States restart at every document start; the first document may start from
+``initial_state[0]`` ([docs, H, P, N]).
+
+Implementations: :func:`naive_recurrent_ssd` (per token; the oracle), :func:`chunk_ssd_torch` (chunked,
+document-aligned chunks) and, on CUDA, flash-linear-attention's ``chunk_simple_gla`` with q = C, k = B, v = dt x,
+g = dt A, scale 1. Under CP (:func:`ssd_cp`) the recurrence is linear in the initial state, so one pass from zero
+suffices: the last document's final state and total decay go through :func:`cp_core.state_passing.pass_states`, and
+the first document's outputs get the exact correction ``exp(sum_{i<=t} a_i) S0 C_t``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from cp_core.chunking import build_chunk_layout
+from cp_core.errors import ContextParallelError
+from cp_core.kernels import RecurrentBackend, resolve_recurrent_backend
+from cp_core.numerics import upcast
+from cp_core.packing import PackedRowMetadata, cu_seqlens_from_lens
+from cp_core.state_passing import pass_states
+from cp_core.topology import CPTopology
+
+
+def _check(x, dt, A, B, C, D, seq_lens: Sequence[int], initial_state) -> None:
+    if x.dim() != 3 or dt.shape != x.shape[:2] or A.shape != (x.size(1),):
+        raise ContextParallelError(
+            f"expected x [T, H, P], dt [T, H], A [H]; got {tuple(x.shape)}, {tuple(dt.shape)}, {tuple(A.shape)}"
+        )
+    if B.dim() != 3 or B.shape != C.shape or B.size(0) != x.size(0) or x.size(1) % B.size(1):
+        raise ContextParallelError(
+            f"B and C must be [T, G, N] with G dividing the {x.size(1)} heads; got {tuple(B.shape)}, {tuple(C.shape)}"
+        )
+    if D is not None and D.shape != (x.size(1),):
+        raise ContextParallelError(f"D must be [H] = [{x.size(1)}], got {tuple(D.shape)}")
+    if sum(seq_lens) != x.size(0):
+        raise ContextParallelError(f"document lengths sum to {sum(seq_lens)} but there are {x.size(0)} tokens")
+    expected = (len(seq_lens), x.size(1), x.size(2), B.size(2))
+    if initial_state is not None and tuple(initial_state.shape) != expected:
+        raise ContextParallelError(
+            f"initial_state must be [docs, H, P, N] = {list(expected)}, got {tuple(initial_state.shape)}"
+        )
+
+
+def _heads(bc: torch.Tensor, heads: int) -> torch.Tensor:
+    return bc.repeat_interleave(heads // bc.size(1), dim=1)
+
+
+def naive_recurrent_ssd(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    *,
+    seq_lens: Sequence[int],
+    D: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token reference. Returns ``(y [T, H, P], final_state [docs, H, P, N])``."""
+    _check(x, dt, A, B, C, D, seq_lens, initial_state)
+    out_dtype, heads = x.dtype, x.size(1)
+    x, dt, A = upcast(x), upcast(dt), upcast(A)
+    B, C = upcast(_heads(B, heads)), upcast(_heads(C, heads))
+    outputs, finals, offset = [], [], 0
+    for doc, length in enumerate(seq_lens):
+        state = x.new_zeros(heads, x.size(2), B.size(2))
+        if initial_state is not None:
+            state = upcast(initial_state[doc])
+        for t in range(offset, offset + length):
+            state = (dt[t] * A).exp()[:, None, None] * state + (dt[t][:, None] * x[t])[:, :, None] * B[t][:, None, :]
+            outputs.append(torch.einsum("hpn,hn->hp", state, C[t]))
+        finals.append(state)
+        offset += length
+    y = torch.stack(outputs)
+    if D is not None:
+        y = y + upcast(D)[:, None] * x
+    return y.to(out_dtype), torch.stack(finals)
+
+
+def chunk_ssd_torch(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    *,
+    seq_lens: Sequence[int],
+    D: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked torch SSD (fp32 inside). Returns ``(y [T, H, P], final_state [docs, H, P, N])``."""
+    _check(x, dt, A, B, C, D, seq_lens, initial_state)
+    out_dtype, heads = x.dtype, x.size(1)
+    x, dt = upcast(x), upcast(dt)
+    log_decay = dt * upcast(A)
+    layout = build_chunk_layout(seq_lens, chunk_size)
+    xc = layout.gather(x * dt[..., None]).transpose(1, 2)  # [C, H, L, P]
+    bc, cc = (layout.gather(upcast(_heads(t, heads))).transpose(1, 2) for t in (B, C))  # [C, H, L, N]
+    cum = layout.gather(log_decay).transpose(1, 2).cumsum(-1)  # [C, H, L]
+    lower = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril()
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    intra = ((cc @ bc.transpose(-1, -2)) * decay) @ xc  # [C, H, L, P]
+    c_decayed = cc * cum.exp()[..., None]
+    x_to_end = xc * (cum[..., -1:] - cum).exp()[..., None]
+    gamma_end = cum[..., -1].exp()[..., None, None]  # [C, H, 1, 1]
+
+    zero = x.new_zeros(heads, x.size(2), B.size(2))
+    state = zero
+    outputs, finals = [], []
+    for c in range(layout.num_chunks):
+        if layout.chunk_starts_doc[c]:
+            doc = layout.chunk_doc[c]
+            state = upcast(initial_state[doc]) if initial_state is not None else zero
+        outputs.append(intra[c] + c_decayed[c] @ state.transpose(-1, -2))
+        state = gamma_end[c] * state + x_to_end[c].transpose(-1, -2) @ bc[c]
+        if c == layout.doc_last_chunk[layout.chunk_doc[c]]:
+            finals.append(state)
+    y = layout.scatter(torch.stack(outputs).transpose(1, 2))
+    if D is not None:
+        y = y + upcast(D)[:, None] * x
+    return y.to(out_dtype), torch.stack(finals)
+
+
+def _ssd_fla(x, dt, A, B, C, *, seq_lens, D, initial_state):
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    heads = x.size(1)
+    cu_cpu = cu_seqlens_from_lens(seq_lens).long()
+    init = initial_state.transpose(-1, -2).contiguous() if initial_state is not None else None  # fla: [K=N, V=P]
+    y, final = chunk_simple_gla(
+        _heads(C, heads).unsqueeze(0),
+        _heads(B, heads).unsqueeze(0),
+        (x * dt[..., None].to(x.dtype)).unsqueeze(0),
+        g=(dt.float() * A.float()).unsqueeze(0),
+        scale=1.0,
+        initial_state=init,
+        output_final_state=True,
+        cu_seqlens=cu_cpu.to(x.device, non_blocking=True),
+        cu_seqlens_cpu=cu_cpu,
+    )
+    y = y.squeeze(0)
+    if D is not None:
+        y = y + (D[:, None] * x).to(y.dtype)
+    return y, final.transpose(-1, -2)
+
+
+def ssd(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    *,
+    seq_lens: Sequence[int],
+    D: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    backend: RecurrentBackend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SSD over local documents with the chosen backend (no CP)."""
+    _check(x, dt, A, B, C, D, seq_lens, initial_state)
+    if resolve_recurrent_backend(backend, x) == "fla":
+        return _ssd_fla(x, dt, A, B, C, seq_lens=seq_lens, D=D, initial_state=initial_state)
+    return chunk_ssd_torch(x, dt, A, B, C, seq_lens=seq_lens, D=D, initial_state=initial_state)
+
+
+def ssd_cp(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    metadata: PackedRowMetadata,
+    topology: CPTopology,
+    *,
+    D: torch.Tensor | None = None,
+    backend: RecurrentBackend = "auto",
+) -> torch.Tensor:
+    """This rank's SSD output over a packed row sharded over ``topology`` (exact vs the unsharded run).
+
+    Communication: one all-gather of ``[H, P, N] + [H]`` fp32 per rank forward, one of ``[H, P, N]`` backward.
+    """
+    if x.size(0) != metadata.local_len:
+        raise ContextParallelError(
+            f"inputs hold {x.size(0)} tokens but this shard has {metadata.local_len} (rank {metadata.cp_rank} "
+            f"of cp={metadata.cp_size})"
+        )
+    lens = metadata.local_seq_lens
+    y, finals = ssd(x, dt, A, B, C, seq_lens=lens, D=D, backend=backend)
+    if not topology.enabled:
+        return y
+    log_decay = upcast(dt) * upcast(A)  # [T, H]
+    last = log_decay[metadata.local_len - lens[-1] :]
+    transition = last.sum(0).exp()  # total decay of the last document's local stretch, [H]
+    first_state = pass_states(finals[-1], transition, metadata, topology, "scalar", anchor=x)  # [H, P, N]
+    # Exact correction of the first document: S_t gains exp(sum_{i<=t} a_i) S0, so y_t gains that times S0 C_t.
+    first = slice(0, lens[0])
+    decay = log_decay[first].cumsum(0).exp()  # [T0, H]
+    c_first = upcast(_heads(C[first], x.size(1)))  # [T0, H, N]
+    correction = decay[..., None] * torch.einsum("hpn,thn->thp", first_state, c_first)
+    return torch.cat([y[first] + correction.to(y.dtype), y[lens[0] :]])

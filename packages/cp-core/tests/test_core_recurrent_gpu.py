@@ -1,0 +1,174 @@
+"""flash-linear-attention kernels agree with the torch paths at real shapes (bf16; skipped without CUDA + fla).
+
+The fla path runs on bf16 inputs; the reference is the torch chunked path in fp32 on the same (upcast) inputs.
+Tolerance: ||fla - ref|| / ||ref|| < 2e-2 for outputs, final states and every gradient (bf16 operands land between
+1e-3 and 1e-2; recurrences over 32k tokens accumulate a little more). The measured errors are printed and recorded
+in docs/benchmarks/recurrent_cp.md by the GPU session.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cp_core.conv import _fla_causal_conv1d, causal_conv1d_torch
+from cp_core.gated_delta import chunk_gated_delta_rule_torch, gated_delta_rule
+from cp_core.kernels import fla_available
+from cp_core.packing import build_packed_metadata
+from cp_core.ssd import chunk_ssd_torch, ssd
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and fla_available()), reason="needs CUDA and flash-linear-attention"
+)
+TOL = 2e-2
+LENS = [20000, 8000, 4000, 768]  # 32k tokens, 4 documents
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def _leaves(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone().requires_grad_() for n, t in tensors.items()}
+
+
+def _compare(name, fast_out, ref_out, fast_in, ref_in, seed=1):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    grads = [torch.randn(o.shape, device="cuda", generator=gen) for o in ref_out]
+    torch.autograd.backward([o.float() for o in fast_out], grads)
+    torch.autograd.backward([o.float() for o in ref_out], grads)
+    errors = {f"out{i}": _rel(f, r) for i, (f, r) in enumerate(zip(fast_out, ref_out, strict=True))}
+    errors |= {f"d{n}": _rel(fast_in[n].grad, ref_in[n].grad) for n in ref_in if ref_in[n].grad is not None}
+    print(f"{name}: " + ", ".join(f"{k}={v:.2e}" for k, v in errors.items()))
+    bad = {k: v for k, v in errors.items() if not v < TOL}
+    assert not bad, f"{name}: relative errors above {TOL}: {bad}"
+
+
+@pytest.mark.parametrize("hk,hv", [(16, 16), (16, 32)])
+def test_gated_delta_rule_fla_matches_torch(hk, hv):
+    torch.manual_seed(0)
+    t, dk, dv = sum(LENS), 128, 128
+    base = {
+        "q": torch.randn(t, hk, dk, device="cuda"),
+        "k": torch.randn(t, hk, dk, device="cuda"),
+        "v": torch.randn(t, hv, dv, device="cuda"),
+        "a": torch.randn(t, hv, device="cuda"),
+        "b": torch.randn(t, hv, device="cuda"),
+        "h0": 0.1 * torch.randn(len(LENS), hv, dk, dv, device="cuda"),
+    }
+    bf16 = {n: (x if n in ("a", "h0") else x.bfloat16()) for n, x in base.items()}
+
+    def run(inputs, backend):
+        g = -F.softplus(inputs["a"].float())
+        fn = gated_delta_rule if backend == "fla" else chunk_gated_delta_rule_torch
+        kwargs = {"backend": "fla"} if backend == "fla" else {}
+        cast = (lambda x: x) if backend == "fla" else (lambda x: x.float())
+        return fn(
+            cast(inputs["q"]),
+            cast(inputs["k"]),
+            cast(inputs["v"]),
+            g,
+            cast(inputs["b"]).sigmoid(),
+            seq_lens=LENS,
+            initial_state=inputs["h0"],
+            qk_l2norm=True,
+            **kwargs,
+        )
+
+    fast_in, ref_in = _leaves(bf16), _leaves(bf16)
+    _compare(f"gdn hk={hk} hv={hv}", run(fast_in, "fla"), run(ref_in, "torch"), fast_in, ref_in)
+
+
+def test_gated_delta_rule_identity_columns_fla_matches_torch():
+    """The CP pre-pass: values [v | 0], initial state [0 | I] make the final state [S_ext | M]."""
+    torch.manual_seed(1)
+    t, h, dk, dv = 384, 16, 128, 128  # short and slowly decaying, so that M is far from 0 (no underflow)
+    q, k = (torch.randn(t, h, dk, device="cuda").bfloat16() for _ in range(2))
+    v = torch.cat([torch.randn(t, h, dv, device="cuda"), torch.zeros(t, h, dk, device="cuda")], -1).bfloat16()
+    g = -F.softplus(torch.randn(t, h, device="cuda")) * 0.002
+    beta = torch.rand(t, h, device="cuda").bfloat16()
+    eye = torch.eye(dk, device="cuda").expand(1, h, dk, dk)
+    init = torch.cat([torch.zeros(1, h, dk, dv, device="cuda"), eye], -1)
+    _, fast = gated_delta_rule(q, k, v, g, beta, seq_lens=[t], initial_state=init, qk_l2norm=True, backend="fla")
+    _, ref = chunk_gated_delta_rule_torch(
+        q.float(), k.float(), v.float(), g, beta.float(), seq_lens=[t], initial_state=init, qk_l2norm=True
+    )
+    assert ref[..., dv:].abs().max() > 1e-2, "M underflowed: the test would compare zeros"
+    errors = {"S_ext": _rel(fast[..., :dv], ref[..., :dv]), "M": _rel(fast[..., dv:], ref[..., dv:])}
+    print("gdn identity columns: " + ", ".join(f"{k}={v:.2e}" for k, v in errors.items()))
+    assert all(e < TOL for e in errors.values()), errors
+
+
+def test_ssd_fla_matches_torch():
+    torch.manual_seed(2)
+    t, h, p, n, groups = sum(LENS), 64, 64, 128, 8
+    base = {
+        "x": torch.randn(t, h, p, device="cuda"),
+        "dt": torch.randn(t, h, device="cuda") - 2.0,
+        "A": torch.rand(h, device="cuda") * 2,
+        "B": torch.randn(t, groups, n, device="cuda"),
+        "C": torch.randn(t, groups, n, device="cuda"),
+        "D": torch.randn(h, device="cuda"),
+        "h0": 0.1 * torch.randn(len(LENS), h, p, n, device="cuda"),
+    }
+    bf16 = {name: (x.bfloat16() if name in ("x", "B", "C") else x) for name, x in base.items()}
+
+    def run(inputs, backend):
+        dt, a = F.softplus(inputs["dt"]), -inputs["A"].exp()
+        if backend == "fla":
+            return ssd(
+                inputs["x"],
+                dt,
+                a,
+                inputs["B"],
+                inputs["C"],
+                seq_lens=LENS,
+                D=inputs["D"],
+                initial_state=inputs["h0"],
+                backend="fla",
+            )
+        return chunk_ssd_torch(
+            inputs["x"].float(),
+            dt,
+            a,
+            inputs["B"].float(),
+            inputs["C"].float(),
+            seq_lens=LENS,
+            D=inputs["D"],
+            initial_state=inputs["h0"],
+        )
+
+    fast_in, ref_in = _leaves(bf16), _leaves(bf16)
+    _compare("ssd", run(fast_in, "fla"), run(ref_in, "torch"), fast_in, ref_in)
+
+
+def test_causal_conv1d_fla_with_halo_matches_torch():
+    torch.manual_seed(3)
+    lens, dim, width = [16383, 2, 16383], 6144, 4
+    meta = build_packed_metadata(lens, cp_rank=1, cp_size=2)  # first local document (2 tokens) began 1 token earlier
+    local = meta.local_len
+    base = {
+        "x": torch.randn(local, dim, device="cuda"),
+        "w": torch.randn(dim, width, device="cuda") * 0.5,
+        "b": torch.randn(dim, device="cuda"),
+        "halo": torch.randn(width - 1, dim, device="cuda"),
+    }
+    bf16 = {n: x.bfloat16() for n, x in base.items()}
+    fast_in, ref_in = _leaves(bf16), _leaves(bf16)
+    fast = _fla_causal_conv1d(
+        fast_in["x"],
+        fast_in["w"],
+        fast_in["b"],
+        "silu",
+        meta.local_seq_lens,
+        fast_in["halo"],
+        meta.first_doc_tokens_before,
+    )
+    ref = causal_conv1d_torch(
+        ref_in["x"].float(),
+        ref_in["w"].float(),
+        ref_in["b"].float(),
+        "silu",
+        meta.local_position_ids.cuda(),
+        ref_in["halo"].float(),
+    )
+    _compare("conv halo", [fast], [ref], fast_in, ref_in)
