@@ -1,0 +1,238 @@
+"""Pieces shared by the model files: CP wiring, norms, the chunked loss, HF checkpoint I/O."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from cp_core import ContextParallelError, CPTopology, PackedRowMetadata, build_packed_metadata
+from cp_core.packing import check_divisible
+
+
+class ContextParallelModule(nn.Module):
+    """A layer that mixes tokens and knows how to do it under CP. ``cp_topology`` is set once per model by
+    :func:`set_context_parallel_attributes`; per-batch boundaries arrive as forward arguments."""
+
+    cp_topology: CPTopology = CPTopology.single()
+
+    def check_context_parallel(self, cp_size: int) -> None:
+        """Raise if this layer cannot run with ``cp_size`` ranks (e.g. a head-count rule)."""
+
+
+def set_context_parallel_attributes(
+    model: nn.Module, group: dist.ProcessGroup | None, rank: int, world_size: int
+) -> CPTopology:
+    """Set the CP topology on every token-mixing layer of ``model`` (through activation-checkpoint wrappers).
+
+    Validates every layer for ``world_size`` first (head rules), so nothing is half-configured on error. Raises
+    :class:`ContextParallelError` for a model containing token-mixing modules that have no CP implementation.
+    """
+    topology = CPTopology(group=group, rank=rank, size=world_size) if world_size > 1 else CPTopology.single()
+    cp_layers = [m for m in model.modules() if isinstance(m, ContextParallelModule)]
+    if not cp_layers:
+        raise ContextParallelError(
+            f"{type(model).__name__} has no context-parallel layers; use a cp_models model (e.g. "
+            "cp_models.Qwen35ForCausalLM.from_pretrained) rather than a transformers one"
+        )
+    for layer in cp_layers:
+        layer.check_context_parallel(world_size)
+    for layer in cp_layers:
+        layer.cp_topology = topology
+    model.cp_topology = topology
+    return topology
+
+
+def build_row_metadata(
+    seq_lens: Sequence[int] | torch.Tensor, local_len: int, topology: CPTopology
+) -> PackedRowMetadata:
+    """Metadata of one packed row whose local shard has ``local_len`` tokens; validates before any collective."""
+    total = local_len * topology.size
+    meta = build_packed_metadata(seq_lens, topology.rank, topology.size, total_len=None)
+    if meta.total_len != total:
+        check_divisible(meta.total_len, topology.size)
+        raise ContextParallelError(
+            f"seq_lens sum to {meta.total_len} tokens but this rank holds {local_len} of a row split over "
+            f"cp={topology.size} ({total} tokens): pass the global document lengths and this rank's shard"
+        )
+    return meta
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMSNorm with weight stored as an offset from 1 (``x / rms(x) * (1 + w)``), computed in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedRMSNorm(nn.Module):
+    """``w * x / rms(x) * silu(z)`` over the last dim (optionally in groups of ``group_size``)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, group_size: int | None = None, norm_before_gate: bool = True):
+        super().__init__()
+        self.eps, self.group_size, self.norm_before_gate = eps, group_size or dim, norm_before_gate
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        y = x.float()
+        if not self.norm_before_gate:
+            y = y * F.silu(gate.float())
+        grouped = y.unflatten(-1, (-1, self.group_size))
+        y = (grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
+        y = self.weight * y.to(dtype)
+        if self.norm_before_gate:
+            y = y * F.silu(gate.float())
+        return y.to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Loss without [S, vocab] logits
+
+
+class _ChunkedTokenLogProbs(torch.autograd.Function):
+    """log p(label | hidden) per token, computing logits one chunk of tokens at a time, forward and backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_size):
+        out = hidden.new_zeros(hidden.size(0), dtype=torch.float32)
+        safe = labels.clamp_min(0)
+        for start in range(0, hidden.size(0), chunk_size):
+            part = slice(start, start + chunk_size)
+            logits = (hidden[part] @ weight.t()).float()
+            out[part] = logits.gather(1, safe[part, None]).squeeze(1) - logits.logsumexp(-1)
+        ctx.chunk_size = chunk_size
+        ctx.save_for_backward(hidden, weight, safe)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, safe = ctx.saved_tensors
+        grad_hidden = torch.zeros_like(hidden)
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+        for start in range(0, hidden.size(0), ctx.chunk_size):
+            part = slice(start, start + ctx.chunk_size)
+            logits = (hidden[part] @ weight.t()).float()
+            # d logp / d logits = onehot - softmax, scaled by the upstream gradient
+            grad_logits = -logits.softmax(-1) * grad_out[part, None]
+            grad_logits.scatter_add_(1, safe[part, None], grad_out[part, None].float())
+            grad_hidden[part] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
+            grad_weight += grad_logits.t() @ hidden[part].float()
+        return grad_hidden, grad_weight.to(weight.dtype), None, None
+
+
+def token_log_probs(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 4096
+) -> torch.Tensor:
+    """Per-token ``log softmax(hidden @ weight.T)[label]`` in fp32 ([T]); never builds [T, vocab] logits.
+
+    Labels < 0 (ignored tokens) give 0 and no gradient; combine with a loss mask by multiplication.
+    """
+    if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
+        raise ContextParallelError(
+            f"hidden must be [T, H] and labels [T]; got {tuple(hidden.shape)} and {tuple(labels.shape)}"
+        )
+    valid = labels >= 0
+    return _ChunkedTokenLogProbs.apply(hidden, weight, labels, chunk_size) * valid
+
+
+# ----------------------------------------------------------------------------------------------------------
+# HF checkpoint I/O
+
+
+def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of a HF checkpoint folder (single file or sharded with an index)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(str(path / name)))
+    return state
+
+
+def write_safetensors(
+    state: Mapping[str, torch.Tensor], path: str | os.PathLike, max_shard_bytes: int = 5 * 2**30
+) -> None:
+    """Write ``state`` as HF safetensors (sharded with an index above ``max_shard_bytes``)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor.detach().contiguous().cpu()
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, fname))
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
+
+
+@dataclass
+class CausalLMOutput:
+    hidden_states: torch.Tensor
+    """Final normed hidden states of this rank's tokens, [T, H]."""
+    logits: torch.Tensor | None = None
+    """[T, vocab], only when asked for (``return_logits=True``)."""
+    token_log_probs: torch.Tensor | None = None
+    """log p(label) per token (fp32, 0 where label < 0), when labels are given."""
+
+
+def strip_prefixes(state: Mapping[str, torch.Tensor], prefixes: Iterable[tuple[str, str]]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, tensor in state.items():
+        for old, new in prefixes:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
+        out[name] = tensor
+    return out
+
+
+def apply_activation_checkpointing(model: nn.Module, layers: nn.ModuleList | None = None) -> nn.Module:
+    """Wrap every decoder layer in torch's non-reentrant checkpoint wrapper (activations recomputed in backward).
+
+    Works before or after :func:`set_context_parallel_attributes`: CP wiring looks through the wrappers.
+    Collectives inside a layer are re-issued during recomputation, identically on every rank.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    layers = layers if layers is not None else model.model.layers
+    for i, layer in enumerate(layers):
+        layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    return model

@@ -1,0 +1,486 @@
+"""Qwen3.5 text models (dense and MoE) with context parallelism, HF-checkpoint compatible.
+
+One readable file in the manner of transformers' modeling files. Parameter names match transformers', so a
+checkpoint saved by ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM`` (or the text part of a VL checkpoint)
+loads directly, and :meth:`Qwen35ForCausalLM.save_pretrained` writes one transformers loads back.
+
+Layers: Gated DeltaNet (``linear_attention``), gated softmax attention (``full_attention``), SwiGLU MLP or sparse
+MoE with a gated shared expert. Forward takes this rank's tokens of one packed row and the row's global document
+lengths; attention runs Ulysses (cp_core.ulysses_attention), GDN the conv halo and state passing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from cp_core import (
+    AttentionBackend,
+    ContextParallelError,
+    PackedRowMetadata,
+    RecurrentBackend,
+    causal_conv1d_cp,
+    check_ulysses_heads,
+    gated_delta_rule_cp,
+    ulysses_attention,
+)
+from cp_models.common import (
+    CausalLMOutput,
+    ContextParallelModule,
+    GatedRMSNorm,
+    ZeroCenteredRMSNorm,
+    build_row_metadata,
+    read_safetensors,
+    strip_prefixes,
+    token_log_probs,
+    write_safetensors,
+)
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
+
+
+def load_text_config(path_or_config):
+    """The text config of a Qwen3.5 checkpoint folder or config object (VL configs give their text_config)."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    config = (
+        path_or_config if isinstance(path_or_config, PretrainedConfig) else AutoConfig.from_pretrained(path_or_config)
+    )
+    if getattr(config, "text_config", None) is not None and config.model_type in ("qwen3_5", "qwen3_5_moe"):
+        config = config.text_config
+    if config.model_type not in ("qwen3_5_text", "qwen3_5_moe_text"):
+        raise ContextParallelError(f"not a Qwen3.5 config: model_type={config.model_type!r}")
+    return config
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Rotary embedding (partial, 3-D MRoPE with interleaved sections)
+
+
+class Qwen35Rotary(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        rope = dict(config.rope_parameters)
+        rope_type = rope.get("rope_type", "default")
+        if rope_type == "default":
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+            inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            self.attention_scaling = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.mrope_section = list(rope.get("mrope_section", [11, 11, 10]))
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [T] (text) or [3, T] (t, h, w) -> cos, sin [T, rotary_dim]."""
+        if position_ids.dim() == 1:
+            position_ids = position_ids.expand(3, -1)
+        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)  # [3, T, dim/2]
+        mixed = freqs[0].clone()
+        for axis, offset in ((1, 1), (2, 2)):  # height and width take interleaved frequency slots
+            idx = slice(offset, self.mrope_section[axis] * 3, 3)
+            mixed[..., idx] = freqs[axis, ..., idx]
+        emb = torch.cat([mixed, mixed], dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; rotates the first ``cos.size(-1)`` dims of each head."""
+    rot = cos.size(-1)
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat([x_rot * cos + _rotate_half(x_rot) * sin, x_pass], dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Token mixers
+
+
+class Qwen35Attention(ContextParallelModule):
+    """Gated softmax attention: q_proj emits query and gate, q/k RMSNorm, partial rotary, GQA, Ulysses under CP."""
+
+    def __init__(self, config, attention_backend: AttentionBackend = "auto"):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_backend = attention_backend
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim * 2, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def check_context_parallel(self, cp_size: int) -> None:
+        check_ulysses_heads(self.num_heads, self.num_kv_heads, cp_size)
+
+    def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], meta: PackedRowMetadata):
+        t = hidden.size(0)
+        query, gate = self.q_proj(hidden).view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        query = self.q_norm(query)
+        key = self.k_norm(self.k_proj(hidden).view(t, self.num_kv_heads, self.head_dim))
+        value = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
+        cos, sin = rotary
+        query, key = apply_partial_rotary(query, cos, sin), apply_partial_rotary(key, cos, sin)
+        out = ulysses_attention(
+            query, key, value, meta, self.cp_topology, scale=self.scaling, backend=self.attention_backend
+        )
+        out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
+        return self.o_proj(out)
+
+
+class Qwen35GatedDeltaNet(ContextParallelModule):
+    """Gated DeltaNet: causal conv over q|k|v, gated delta rule with L2-normed q/k, gated RMSNorm, out_proj."""
+
+    def __init__(self, config, recurrent_backend: RecurrentBackend = "auto"):
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.key_dim, self.value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
+        if self.num_v_heads % self.num_k_heads:
+            raise ContextParallelError(
+                f"linear_num_value_heads={self.num_v_heads} must be a multiple of linear_num_key_heads={self.num_k_heads}"
+            )
+        if config.hidden_act not in ("silu", "swish"):
+            raise ContextParallelError(f"GDN conv activation must be silu, got hidden_act={config.hidden_act!r}")
+        self.recurrent_backend = recurrent_backend
+        conv_dim = 2 * self.key_dim + self.value_dim
+        width = config.linear_conv_kernel_dim
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, width, groups=conv_dim, padding=width - 1, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.log(torch.empty(self.num_v_heads).uniform_(0.01, 16)))
+        self.norm = GatedRMSNorm(self.head_v_dim, eps=config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
+        self.in_proj_qkv = nn.Linear(config.hidden_size, conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(config.hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
+
+    def forward(self, hidden: torch.Tensor, meta: PackedRowMetadata) -> torch.Tensor:
+        t = hidden.size(0)
+        mixed = causal_conv1d_cp(
+            self.in_proj_qkv(hidden),
+            self.conv1d.weight.squeeze(1),
+            None,
+            meta,
+            self.cp_topology,
+            activation="silu",
+            backend=self.recurrent_backend,
+        )
+        query, key, value = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        query = query.reshape(t, self.num_k_heads, self.head_k_dim)
+        key = key.reshape(t, self.num_k_heads, self.head_k_dim)
+        value = value.reshape(t, self.num_v_heads, self.head_v_dim)
+        beta = self.in_proj_b(hidden).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias)
+        out = gated_delta_rule_cp(
+            query, key, value, g, beta, meta, self.cp_topology, qk_l2norm=True, backend=self.recurrent_backend
+        )
+        z = self.in_proj_z(hidden).view(t, self.num_v_heads, self.head_v_dim)
+        out = self.norm(out.to(hidden.dtype), z).reshape(t, self.value_dim)
+        return self.out_proj(out)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Feed-forward
+
+
+class Qwen35MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Qwen35Router(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = F.linear(x, self.weight).float().softmax(-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+
+class Qwen35Experts(nn.Module):
+    """Experts as stacked weights: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
+
+    On CUDA with torch's grouped GEMM, tokens are sorted by expert and each projection is one grouped matmul;
+    elsewhere a loop over the experts that received tokens computes the same thing exactly.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts, inter = config.num_experts, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * inter, config.hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, inter))
+        nn.init.normal_(self.gate_up_proj, std=config.initializer_range)
+        nn.init.normal_(self.down_proj, std=config.initializer_range)
+
+    def _grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        flat = experts.reshape(-1)
+        order = flat.argsort(stable=True)
+        token = order // experts.size(1)
+        offsets = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
+        h = F.grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs=offsets)
+        gate, up = h.chunk(2, dim=-1)
+        h = F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
+        h = h * weights.reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add_(0, token, h.to(x.dtype))
+
+    def _looped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in experts.unique().tolist():
+            token, slot = torch.where(experts == e)
+            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            h = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[token, slot, None]
+            out.index_add_(0, token, h.to(x.dtype))
+        return out
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        grouped = x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm")
+        return (self._grouped if grouped else self._looped)(x, experts, weights)
+
+
+class Qwen35SparseMoeBlock(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate = Qwen35Router(config)
+        self.experts = Qwen35Experts(config)
+        self.shared_expert = Qwen35MLP(config.hidden_size, config.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.gate(x)
+        routed = self.experts(x, experts, weights)
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Model
+
+
+class Qwen35DecoderLayer(nn.Module):
+    def __init__(
+        self, config, layer_idx: int, attention_backend: AttentionBackend, recurrent_backend: RecurrentBackend
+    ):
+        super().__init__()
+        self.layer_type = config.layer_types[layer_idx]
+        if self.layer_type == "linear_attention":
+            self.linear_attn = Qwen35GatedDeltaNet(config, recurrent_backend)
+        elif self.layer_type == "full_attention":
+            self.self_attn = Qwen35Attention(config, attention_backend)
+        else:
+            raise ContextParallelError(f"unknown Qwen3.5 layer type {self.layer_type!r} at layer {layer_idx}")
+        if getattr(config, "num_experts", 0):
+            self.mlp = Qwen35SparseMoeBlock(config)
+        else:
+            self.mlp = Qwen35MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, rotary, meta: PackedRowMetadata) -> torch.Tensor:
+        normed = self.input_layernorm(hidden)
+        if self.layer_type == "linear_attention":
+            hidden = hidden + self.linear_attn(normed, meta)
+        else:
+            hidden = hidden + self.self_attn(normed, rotary, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Qwen35TextModel(nn.Module):
+    def __init__(
+        self, config, attention_backend: AttentionBackend = "auto", recurrent_backend: RecurrentBackend = "auto"
+    ):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            Qwen35DecoderLayer(config, i, attention_backend, recurrent_backend) for i in range(config.num_hidden_layers)
+        )
+        self.norm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen35Rotary(config)
+
+    def forward(self, embeds: torch.Tensor, position_ids: torch.Tensor, meta: PackedRowMetadata) -> torch.Tensor:
+        rotary = self.rotary_emb(position_ids, embeds.dtype)
+        hidden = embeds
+        for layer in self.layers:
+            hidden = layer(hidden, rotary, meta)
+        return self.norm(hidden)
+
+
+class Qwen35ForCausalLM(nn.Module):
+    """Qwen3.5 (dense or MoE) causal LM over one packed row, with or without context parallelism.
+
+    ``forward(input_ids [T], seq_lens)``: ``input_ids`` are this rank's tokens (the whole row without CP),
+    ``seq_lens`` the row's global document lengths. Positions restart at every document start unless
+    ``position_ids`` ([T] or MRoPE [3, T], this rank's slice) are given. With ``labels`` (this rank's targets,
+    already aligned to positions, < 0 to ignore) the output carries per-token log-probs computed without building
+    [T, vocab] logits.
+    """
+
+    def __init__(
+        self, config, attention_backend: AttentionBackend = "auto", recurrent_backend: RecurrentBackend = "auto"
+    ):
+        super().__init__()
+        config = load_text_config(config)
+        self.config = config
+        self.model = Qwen35TextModel(config, attention_backend, recurrent_backend)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def cp_topology(self):
+        from cp_core import CPTopology
+
+        return self.__dict__.get("cp_topology", CPTopology.single())
+
+    @cp_topology.setter
+    def cp_topology(self, value) -> None:
+        self.__dict__["cp_topology"] = value
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        seq_lens: Sequence[int] | torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        return_logits: bool | None = None,
+        loss_chunk_size: int | None = None,
+    ) -> CausalLMOutput:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ContextParallelError("pass exactly one of input_ids and inputs_embeds")
+        if input_ids is not None:
+            if input_ids.dim() == 2:
+                if input_ids.size(0) != 1:
+                    raise ContextParallelError(
+                        f"input_ids has batch size {input_ids.size(0)}; a packed row is one sequence (batch 1)"
+                    )
+                input_ids = input_ids[0]
+            embeds = self.model.embed_tokens(input_ids)
+        else:
+            embeds = inputs_embeds[0] if inputs_embeds.dim() == 3 else inputs_embeds
+        meta = build_row_metadata(seq_lens, embeds.size(0), self.cp_topology).to(embeds.device)
+        if position_ids is None:
+            position_ids = meta.local_position_ids
+        elif position_ids.size(-1) != embeds.size(0):
+            raise ContextParallelError(
+                f"position_ids {tuple(position_ids.shape)} must end in this rank's {embeds.size(0)} tokens"
+            )
+        hidden = self.model(embeds, position_ids.to(embeds.device), meta)
+        out = CausalLMOutput(hidden_states=hidden)
+        if labels is not None:
+            labels = labels[0] if labels.dim() == 2 else labels
+            chunk = loss_chunk_size or max(1, (1 << 28) // self.config.vocab_size)  # ~1 GiB of fp32 logits
+            out.token_log_probs = token_log_probs(hidden, self.lm_head.weight, labels, chunk)
+        if return_logits or (return_logits is None and labels is None):
+            out.logits = self.lm_head(hidden)
+        return out
+
+    # -- HF checkpoints --------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        dtype: torch.dtype | None = None,
+        attention_backend: AttentionBackend = "auto",
+        recurrent_backend: RecurrentBackend = "auto",
+    ) -> Qwen35ForCausalLM:
+        """Load a transformers Qwen3.5 checkpoint folder (text or VL; single or sharded safetensors)."""
+        config = load_text_config(str(path))
+        with torch.device("meta"):
+            model = cls(config, attention_backend, recurrent_backend)
+        state = hf_to_cp_state(read_safetensors(path), config)
+        expected = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        if config.tie_word_embeddings:
+            expected.discard("lm_head.weight")
+        missing, unexpected = expected - state.keys(), state.keys() - expected
+        if missing:
+            raise ContextParallelError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
+        if unexpected:
+            raise ContextParallelError(f"checkpoint {path} has unknown tensors, e.g. {sorted(unexpected)[:5]}")
+        model.load_state_dict(state, strict=False, assign=True)
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.model.rotary_emb = Qwen35Rotary(config)  # buffers were on the meta device
+        if dtype is not None:
+            model.to(dtype)
+        return model
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write a checkpoint folder that transformers' Qwen3_5(Moe)ForCausalLM loads."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        config = self.config
+        config.architectures = ["Qwen3_5MoeForCausalLM" if getattr(config, "num_experts", 0) else "Qwen3_5ForCausalLM"]
+        config.save_pretrained(path)
+        write_safetensors(cp_to_hf_state(self.state_dict(), config), path)
+
+
+def hf_to_cp_state(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """transformers checkpoint names -> ours: VL prefixes, per-expert weights stacked, MTP weights dropped."""
+    state = strip_prefixes(state, [("model.language_model.", "model."), ("language_model.", "model.")])
+    state = {n: t for n, t in state.items() if not n.startswith(("mtp.", "model.visual.", "visual."))}
+    experts = getattr(config, "num_experts", 0)
+    if not experts:
+        return state
+    for layer in range(config.num_hidden_layers):
+        prefix = f"model.layers.{layer}.mlp.experts."
+        names = [f"{prefix}{e}.{proj}.weight" for e in range(experts) for proj in ("gate_proj", "up_proj", "down_proj")]
+        missing = [n for n in names if n not in state]
+        if len(missing) == len(names):  # stacked (gate_up_proj / down_proj) or absent: checked by the caller
+            continue
+        if missing:
+            raise ContextParallelError(f"checkpoint lacks {len(missing)} per-expert tensors, e.g. {missing[:5]}")
+        gates = [state.pop(f"{prefix}{e}.gate_proj.weight") for e in range(experts)]
+        ups = [state.pop(f"{prefix}{e}.up_proj.weight") for e in range(experts)]
+        downs = [state.pop(f"{prefix}{e}.down_proj.weight") for e in range(experts)]
+        state[f"{prefix}gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(gates, ups, strict=True)])
+        state[f"{prefix}down_proj"] = torch.stack(downs)
+    return state
+
+
+def cp_to_hf_state(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """Ours -> transformers checkpoint names (per-expert weights, as transformers itself saves them)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix = name[: -len("gate_up_proj")]
+            for e, w in enumerate(tensor):
+                gate, up = w.chunk(2)
+                out[f"{prefix}{e}.gate_proj.weight"] = gate
+                out[f"{prefix}{e}.up_proj.weight"] = up
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix = name[: -len("down_proj")]
+            for e, w in enumerate(tensor):
+                out[f"{prefix}{e}.down_proj.weight"] = w
+        else:
+            out[name] = tensor
+    return out

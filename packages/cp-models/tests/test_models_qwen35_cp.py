@@ -1,0 +1,497 @@
+"""Qwen3.5 under context parallelism on real gloo groups of 2 and 4 ranks: the whole causal LM (Gated DeltaNet,
+gated attention, MLP or MoE, the chunked log-prob loss) sharded over the sequence gives the unsharded model's
+outputs and every parameter gradient, with and without activation checkpointing; bad setups raise the same
+ContextParallelError on every rank instead of hanging one of them."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+
+from cp_core import CPTopology, PackedRowMetadata
+from cp_core.testing import GlooWorkers, RankFailure, check_cp_parity, layout_cases
+from cp_models import (
+    ContextParallelModule,
+    Qwen35ForCausalLM,
+    apply_activation_checkpointing,
+    set_context_parallel_attributes,
+)
+from cp_models.qwen3_5 import Qwen35DecoderLayer, Qwen35GatedDeltaNet
+
+CP_SIZES = (2, 4)
+TOTAL = {2: 48, 4: 64}  # row length per CP size: 24 and 16 tokens a rank
+VOCAB = 64
+IGNORE = -100
+
+# --------------------------------------------------------------------------------------------------------
+# Tiny configs (module level: the workers rebuild the same models from these names)
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # cp=2 splits the KV heads, cp=4 replicates each twice
+    head_dim=16,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=2,
+    rms_norm_eps=1e-6,
+)
+
+CONFIGS = {
+    # 4 layers, the default pattern: 3 GDN layers, then full attention.
+    "dense": (Qwen3_5TextConfig, dict(_COMMON, num_hidden_layers=4, intermediate_size=64)),
+    # GDN with twice as many value heads as key heads (q/k heads repeated), tied embeddings.
+    "dense_gdn_v2x_tied": (
+        Qwen3_5TextConfig,
+        dict(
+            _COMMON,
+            num_hidden_layers=4,
+            intermediate_size=64,
+            linear_num_value_heads=4,
+            tie_word_embeddings=True,
+        ),
+    ),
+    # Sparse MoE (4 experts, top-2, gated shared expert) on a GDN and an attention layer; one KV head (replicated
+    # to every rank under Ulysses), GDN value heads 2x key heads.
+    "moe": (
+        Qwen3_5MoeTextConfig,
+        dict(
+            _COMMON,
+            num_hidden_layers=2,
+            layer_types=["linear_attention", "full_attention"],
+            num_key_value_heads=1,
+            linear_num_value_heads=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+        ),
+    ),
+}
+
+
+def make_config(name: str, **overrides):
+    config_cls, kwargs = CONFIGS[name]
+    return config_cls(**{**kwargs, **overrides})
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module) -> None:
+    """Moderate random weights everywhere, so that every path (recurrent states, gates, norms, the router)
+    carries signal: matrices N(0, 0.2); norm weights around their identity; GDN decays A = exp(A_log) in
+    [0.05, 0.2] (with softplus(a + dt_bias) ~ 0.7-1.3, a state keeps ~7-70% of itself over 10 tokens, so what
+    crosses a shard cut matters; test_parity_detects_gdn_without_cp checks that it does)."""
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "A_log":
+            p.copy_(torch.empty_like(p).uniform_(0.05, 0.2).log())
+        elif leaf == "dt_bias":
+            p.normal_(0.0, 0.3)
+        elif p.dim() >= 2:
+            p.normal_(0.0, 0.2)
+        elif name.endswith("linear_attn.norm.weight"):  # GatedRMSNorm: plain weight
+            p.normal_(1.0, 0.2)
+        else:  # ZeroCenteredRMSNorm: stored as an offset from 1
+            p.normal_(0.0, 0.2)
+
+
+class KeepFloat64(TorchFunctionMode):
+    """``Tensor.float()`` leaves float64 tensors as they are (the model's fp32 upcasts become no-ops in fp64)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.float and args[0].dtype == torch.float64:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+def _enter_keep_float64(module: torch.nn.Module, args) -> None:
+    mode = KeepFloat64()
+    mode.__enter__()
+    module.__dict__.setdefault("_keep_float64_modes", []).append(mode)
+
+
+def _exit_keep_float64(module: torch.nn.Module, args, output) -> None:
+    module.__dict__["_keep_float64_modes"].pop().__exit__(None, None, None)
+
+
+def keep_float64_(model: torch.nn.Module) -> None:
+    """Run ``model`` in true fp64: like transformers, the model computes its norms, GDN decay and router in fp32
+    (``.float()``), which would cap an fp64 comparison at fp32 rounding. Hooks on the model and on every decoder layer
+    (so also while activation checkpointing recomputes a layer in backward) make those casts no-ops."""
+    for module in (model, *(m for m in model.modules() if isinstance(m, Qwen35DecoderLayer))):
+        module.register_forward_pre_hook(_enter_keep_float64)
+        module.register_forward_hook(_exit_keep_float64)
+
+
+def build_model(
+    config_name: str,
+    dtype: torch.dtype = torch.float32,
+    checkpointing: bool = False,
+    keep_float64: bool = False,
+    **overrides,
+) -> Qwen35ForCausalLM:
+    """The module factory (the harness seeds torch before calling it, on every rank and for the reference)."""
+    model = Qwen35ForCausalLM(make_config(config_name, **overrides))
+    randomize_(model)
+    model.to(dtype)
+    if keep_float64:
+        keep_float64_(model)
+    if checkpointing:
+        apply_activation_checkpointing(model)
+    return model
+
+
+# --------------------------------------------------------------------------------------------------------
+# Cases run on the workers (module level, so that they are importable by name)
+
+
+def lm_case(
+    module: Qwen35ForCausalLM,
+    metadata: PackedRowMetadata,
+    topology: CPTopology,
+    *,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    output: str = "token_log_probs",
+    checkpoint_after: bool = False,
+) -> torch.Tensor:
+    set_context_parallel_attributes(module, topology.group, topology.rank, topology.size)
+    if checkpoint_after:  # the other order: checkpointing wraps layers whose CP attributes are already set
+        apply_activation_checkpointing(module)
+    # Every token mixer got the topology, also through checkpoint wrappers.
+    mixers = [m for m in module.modules() if isinstance(m, ContextParallelModule)]
+    assert len(mixers) == module.config.num_hidden_layers
+    assert all(m.cp_topology.size == topology.size and m.cp_topology.rank == topology.rank for m in mixers)
+    out = module(input_ids, metadata.seq_lens, labels=labels, return_logits=output == "logits")
+    assert out.hidden_states.shape == (input_ids.size(0), module.config.hidden_size)
+    assert out.token_log_probs is not None and out.token_log_probs.shape == input_ids.shape
+    if output == "logits":
+        assert out.logits.shape == (input_ids.size(0), VOCAB)
+    else:
+        assert out.logits is None
+    return getattr(out, output)
+
+
+def make_inputs(total: int, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, VOCAB, (total,), generator=generator)
+    labels = torch.randint(0, VOCAB, (total,), generator=generator)
+    labels[torch.rand(total, generator=generator) < 0.15] = IGNORE  # some ignored targets
+    return {"input_ids": input_ids, "labels": labels}
+
+
+SEQ_DIMS = {"input_ids": 0, "labels": 0}
+
+# --------------------------------------------------------------------------------------------------------
+# Pools and bookkeeping
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # The gloo workers share the 2 cores with this process; OpenMP spinning in here would starve them.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def workers(request):
+    """One pool per CP size for the whole module (tests pick the size by indirect parametrization)."""
+    with GlooWorkers(request.param, timeout_s=180, collective_timeout_s=60) as pool:
+        yield pool
+
+
+# One parametrize of the pool shared by every test: pytest keys a parametrized fixture by the index of its value in
+# the parameter list, so the pool of each size is spawned once for the module.
+with_workers = pytest.mark.parametrize("workers", CP_SIZES, indirect=True, ids=lambda cp: f"cp{cp}")
+
+# Largest relative difference seen per variant and tensor kind (printed at module teardown with -s).
+WORST: dict[str, dict[str, tuple[float, str]]] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _print_worst():
+    yield
+    for variant, worst in sorted(WORST.items()):
+        print(f"\n{variant}: " + ", ".join(f"{k} {r:.2e} ({n})" for k, (r, n) in sorted(worst.items())))
+
+
+def _record(variant: str, relative: dict[str, float], behind_gdn: set[str]) -> None:
+    """Keep the largest relative difference of the output, of the gradients held to 1e-5 in fp32 and of those
+    behind a GDN layer."""
+    worst = WORST.setdefault(variant, {})
+    for name, rel in relative.items():
+        key = "out" if name == "out" else "grad behind GDN" if name in behind_gdn else "grad other"
+        if rel >= worst.get(key, (0.0, ""))[0]:
+            worst[key] = (rel, name)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Parity: CP = 2 and 4 against CP = 1
+
+SUBSET = ("single_document", "cuts_inside_documents", "spans_all_ranks")
+
+# name: (module factory, case, layouts to run: None for every layout_cases layout)
+VARIANTS = {
+    "dense": (functools.partial(build_model, "dense"), lm_case, None),
+    "dense_logits": (
+        functools.partial(build_model, "dense"),
+        functools.partial(lm_case, output="logits"),
+        ("cuts_inside_documents", "tiny_documents"),
+    ),
+    "dense_gdn_v2x_tied": (functools.partial(build_model, "dense_gdn_v2x_tied"), lm_case, SUBSET),
+    "moe": (functools.partial(build_model, "moe"), lm_case, (*SUBSET, "tiny_documents")),
+    # Activation checkpointing applied first (the factory), CP attributes set through the wrappers (the case).
+    "dense_checkpointed": (functools.partial(build_model, "dense", checkpointing=True), lm_case, SUBSET),
+    "moe_checkpointed": (
+        functools.partial(build_model, "moe", checkpointing=True),
+        lm_case,
+        ("spans_all_ranks", "mixed_random"),
+    ),
+    # The other order: CP attributes first, then checkpointing.
+    "dense_checkpoint_after_cp": (
+        functools.partial(build_model, "dense"),
+        functools.partial(lm_case, checkpoint_after=True),
+        ("mixed_random",),
+    ),
+}
+
+# fp32 tolerances, relative to each tensor's largest entry. 1e-5 for the output and for every parameter whose
+# gradient reaches it without passing back through a Gated DeltaNet layer (observed: <= ~8e-6). Parameters behind a
+# GDN layer (the embeddings, every layer below the last GDN layer, and that layer's input norm and GDN weights) get
+# 1e-4: the GDN backward in fp32 (chunked delta rule: triangular solve, decay products, reductions over every token
+# for A_log and dt_bias) rounds differently for a 16- or 24-token shard than for the whole row, and that rounding
+# reaches everything below it; observed up to ~3.6e-5 (A_log, dt_bias, in_proj_qkv, and down to the embeddings).
+# The fp64 test below runs every one of these cases and agrees to ~1e-13 (bound 1e-10), which proves the fp32
+# differences are rounding, not a CP error.
+FP32_RTOL = 1e-5
+FP32_BEHIND_GDN_RTOL = 1e-4
+FP64_RTOL = 1e-10
+
+
+def plain_name(name: str) -> str:
+    """A report name without activation-checkpoint wrappers."""
+    return name.replace("._checkpoint_wrapped_module", "")
+
+
+def params_behind_gdn(model: Qwen35ForCausalLM) -> set[str]:
+    """Report names (``grad.param.*``, without checkpoint wrappers) of the parameters whose gradient flows back
+    through a GDN layer."""
+    gdn_layers = [i for i, kind in enumerate(model.config.layer_types) if kind == "linear_attention"]
+    last_gdn = max(gdn_layers, default=-1)
+    behind = set()
+    for name, _ in model.named_parameters():
+        match = re.search(r"layers\.(\d+)\.", name)
+        if match is None:
+            below = name.startswith("model.embed_tokens.") and last_gdn >= 0
+        else:
+            layer = int(match.group(1))
+            below = layer < last_gdn or (layer == last_gdn and re.search(r"\.(input_layernorm|linear_attn)\.", name))
+        if below:
+            behind.add(plain_name(f"grad.param.{name}"))
+    return behind
+
+
+def run_variant(workers: GlooWorkers, variant: str, dtype: torch.dtype) -> None:
+    cp = workers.world_size
+    factory, case, wanted = VARIANTS[variant]
+    if dtype == torch.float64:
+        # fp64 model with its fp32 casts (norms, GDN decay, router, as transformers does) turned into no-ops, and
+        # logits as the output (token_log_probs are fp32 by design).
+        factory = functools.partial(factory, dtype=torch.float64, keep_float64=True)
+        case = functools.partial(case, output="logits")
+    reference = factory()
+    behind = params_behind_gdn(reference)
+    expected_names = {"out", *(plain_name(f"grad.param.{n}") for n, _ in reference.named_parameters())}
+    rtol = FP64_RTOL if dtype == torch.float64 else FP32_RTOL
+    layouts = layout_cases(TOTAL[cp], cp)
+    names = list(layouts) if wanted is None else list(wanted)
+    precision = "fp64" if dtype == torch.float64 else "fp32"
+    failures = []
+    for index, layout in enumerate(names):
+        seed = 1000 + 100 * cp + index
+        report = check_cp_parity(
+            workers,
+            case,
+            seq_lens=layouts[layout],
+            inputs=make_inputs(TOTAL[cp], seed),
+            seq_dims=SEQ_DIMS,
+            module_factory=factory,
+            seed=seed,
+        )
+        # The output and every parameter's gradient are compared (the integer inputs have none).
+        got_names = {plain_name(n) for n in report.relative}
+        assert got_names == expected_names, sorted(got_names ^ expected_names)
+        behind_here = {n for n in report.relative if plain_name(n) in behind}
+        rtols = {} if dtype == torch.float64 else dict.fromkeys(behind_here, FP32_BEHIND_GDN_RTOL)
+        _record(f"{variant} {precision}", report.relative, behind_here)
+        try:
+            report.assert_close(rtol=rtol, rtols=rtols)
+        except AssertionError as exc:
+            failures.append(f"{layout} {layouts[layout]}: {exc}")
+    assert not failures, f"cp={cp} {variant} {precision}:\n" + "\n".join(failures)
+
+
+@with_workers
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_qwen35_cp_parity_fp32(workers, variant):
+    run_variant(workers, variant, torch.float32)
+
+
+@with_workers
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_qwen35_cp_parity_fp64_is_exact(workers, variant):
+    """The same cases in fp64: CP reorders only roundings, so it agrees to ~1e-13 (bound 1e-10)."""
+    run_variant(workers, variant, torch.float64)
+
+
+def _gdn_without_cp_case(module, metadata, topology, *, input_ids, labels):
+    """Deliberately wrong CP: GDN layers left unsharded (no conv halo, no state passing; each shard restarts)."""
+    set_context_parallel_attributes(module, topology.group, topology.rank, topology.size)
+    for layer in module.modules():
+        if isinstance(layer, Qwen35GatedDeltaNet):
+            layer.cp_topology = CPTopology.single()
+    return module(input_ids, metadata.seq_lens, labels=labels).token_log_probs
+
+
+@with_workers
+def test_parity_detects_gdn_without_cp(workers):
+    """The weights are strong enough that the recurrent state crossing a shard cut matters: dropping the GDN layers'
+    CP breaks parity far beyond the tolerances; with the row tiled by shard-sized documents nothing crosses, and
+    it holds. (Attention cannot be dropped this way: Ulysses rejects metadata built for another topology.)"""
+    case = _gdn_without_cp_case  # module level, so that the workers import it by name
+    cp = workers.world_size
+    total = TOTAL[cp]
+    factory = functools.partial(build_model, "dense")
+    inputs = make_inputs(total, seed=3)
+    for seq_lens in ([total], layout_cases(total, cp)["spans_all_ranks"]):
+        report = check_cp_parity(
+            workers, case, seq_lens=seq_lens, inputs=inputs, seq_dims=SEQ_DIMS, module_factory=factory
+        )
+        assert report.relative["out"] > 1e-2, (seq_lens, report.relative["out"])
+    report = check_cp_parity(
+        workers, case, seq_lens=[total // cp] * cp, inputs=inputs, seq_dims=SEQ_DIMS, module_factory=factory
+    )
+    report.assert_close(rtol=FP32_RTOL, rtols=dict.fromkeys(params_behind_gdn(factory()), FP32_BEHIND_GDN_RTOL))
+
+
+def test_checkpointing_leaves_the_model_unchanged():
+    """Unsharded: the checkpoint-wrapped model gives the plain model's outputs and gradients (same seed, same
+    weights), so the checkpointed parity above compares the same function."""
+    inputs = make_inputs(32, seed=7)
+    results = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = build_model("dense", checkpointing=checkpointing)
+        set_context_parallel_attributes(model, None, 0, 1)
+        out = model(inputs["input_ids"], [10, 22], labels=inputs["labels"]).token_log_probs
+        out.sum().backward()
+        grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()}
+        results.append((out.detach(), grads))
+    (out0, grads0), (out1, grads1) = results
+    assert torch.equal(out0, out1)
+    assert grads0.keys() == grads1.keys()
+    for name, grad in grads0.items():
+        assert torch.equal(grad, grads1[name]), name
+
+
+# --------------------------------------------------------------------------------------------------------
+# Setup validation: every rank raises the same ContextParallelError, none is left in a collective
+
+
+def _set_cp(topology: CPTopology, config_name: str, overrides: dict) -> str:
+    """set_context_parallel_attributes on a model with these overrides; on error, prove nothing was half-set."""
+    model = build_model(config_name, **overrides)
+    try:
+        set_context_parallel_attributes(model, topology.group, topology.rank, topology.size)
+    except Exception:
+        layers = [m for m in model.modules() if isinstance(m, ContextParallelModule)]
+        assert layers and all(m.cp_topology.size == 1 for m in layers), "layers configured before the error"
+        raise
+    return "ok"
+
+
+def _set_cp_on_transformers_model(topology: CPTopology) -> str:
+    import transformers
+
+    model = transformers.Qwen3_5ForCausalLM(make_config("dense"))
+    set_context_parallel_attributes(model, topology.group, topology.rank, topology.size)
+    return "ok"
+
+
+def _forward_with_seq_lens(topology: CPTopology, local_len: int, seq_lens: list[int]) -> tuple[int, ...]:
+    torch.manual_seed(0)
+    model = build_model("dense")
+    set_context_parallel_attributes(model, topology.group, topology.rank, topology.size)
+    input_ids = torch.randint(0, VOCAB, (local_len,))
+    out = model(input_ids, seq_lens, labels=input_ids)
+    return tuple(out.token_log_probs.shape)
+
+
+def _all_reduce_ranks(topology: CPTopology) -> int:
+    value = torch.tensor([float(topology.rank)])
+    dist.all_reduce(value, group=topology.group)
+    return int(value.item())
+
+
+def assert_every_rank_raises(workers: GlooWorkers, fn, *args, must_name: list[str]) -> None:
+    results = workers.run_collect(fn, *args, timeout_s=60)
+    assert len(results) == workers.world_size
+    for rank, result in enumerate(results):
+        assert isinstance(result, RankFailure), f"rank {rank} did not raise: {result!r}"
+        assert result.rank == rank
+        assert result.type_name == "ContextParallelError", f"rank {rank}: {result.type_name}: {result.message}"
+        for text in must_name:
+            assert text in result.message, f"rank {rank}: {text!r} not in {result.message!r}"
+    assert len({r.message for r in results}) == 1, [r.message for r in results]
+    # The group is still in step: nobody was left inside a collective.
+    cp = workers.world_size
+    assert workers.run(_all_reduce_ranks, timeout_s=60) == [sum(range(cp))] * cp
+
+
+@with_workers
+def test_heads_that_do_not_split_over_cp_are_rejected(workers):
+    cp = workers.world_size
+    # 6 query heads, 3 KV heads: cp=4 does not divide the query heads; cp=2 does, but 2 and 3 KV heads do not nest.
+    overrides = {"num_attention_heads": 6, "num_key_value_heads": 3}
+    must_name = ["q_heads=6", "cp=4"] if cp == 4 else ["kv_heads=3", "cp=2"]
+    assert_every_rank_raises(workers, _set_cp, "dense", overrides, must_name=must_name)
+    # The control: the default heads (4 query, 2 KV) split over both sizes.
+    assert workers.run(_set_cp, "dense", {}, timeout_s=60) == ["ok"] * cp
+
+
+@with_workers
+def test_transformers_model_is_rejected(workers):
+    assert_every_rank_raises(
+        workers, _set_cp_on_transformers_model, must_name=["Qwen3_5ForCausalLM", "no context-parallel layers"]
+    )
+
+
+@with_workers
+def test_bad_row_lengths_are_rejected(workers):
+    cp = workers.world_size
+    local = 8
+    # The row (sum of seq_lens) is not divisible by cp.
+    assert_every_rank_raises(
+        workers, _forward_with_seq_lens, local, [5, cp * local - 4], must_name=[f"not divisible by cp={cp}"]
+    )
+    # Divisible, but not this shard's row: seq_lens for 2x the tokens the ranks hold.
+    assert_every_rank_raises(
+        workers,
+        _forward_with_seq_lens,
+        local,
+        [3, 2 * cp * local - 3],
+        must_name=[f"seq_lens sum to {2 * cp * local}", f"holds {local}"],
+    )
+    # The control: the matching seq_lens run.
+    assert workers.run(_forward_with_seq_lens, local, [3, cp * local - 3], timeout_s=120) == [(local,)] * cp

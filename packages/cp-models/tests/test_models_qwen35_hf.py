@@ -1,0 +1,616 @@
+"""Qwen3.5 (dense and MoE) on CPU in fp32 against transformers' reference models.
+
+transformers' torch fallbacks for Gated DeltaNet do not keep packed documents apart, so every comparison runs
+our model on a packed row and transformers' model on each document alone ([1, L_i], default positions).
+Parameters are randomized on the transformers side, saved with ``save_pretrained`` and loaded with our
+``from_pretrained``, so the real checkpoint path is exercised by every parity test.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    Qwen3_5Config,
+    Qwen3_5ForCausalLM,
+    Qwen3_5MoeConfig,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
+)
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTopKRouter
+
+from cp_core import ContextParallelError
+from cp_models import Qwen35ForCausalLM, apply_activation_checkpointing, load_text_config, token_log_probs
+from cp_models.common import read_safetensors, write_safetensors
+from cp_models.qwen3_5 import Qwen35Experts, Qwen35Router
+
+TOL = 1e-5  # relative: max |ours - ref| / max |ref|, for logits and log-probs
+# Parameter gradients are compared at 1e-4: in these random fp32 models they carry 1e-6..6e-5 relative rounding
+# noise (largest for the GDN decay parameters A_log / dt_bias and for the 4-layer model), and transformers' own fp32
+# gradients differ from its fp64 gradients by as much (checked while writing these tests; a model-level bug shows
+# up at 1e-3 or more).
+GRAD_TOL = 1e-4
+LIN, FULL = "linear_attention", "full_attention"
+
+BASE = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+MOE = dict(moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=4, num_experts_per_tok=2)
+
+# name -> (moe?, config overrides, packed document lengths). Every row holds a document of 1-3 tokens.
+CASES = {
+    "dense_every4th_full": (False, dict(num_hidden_layers=4, layer_types=None), [7, 2, 11]),
+    "dense_full_lin_lin_gqa4to1_tied": (
+        False,
+        dict(layer_types=[FULL, LIN, LIN], num_key_value_heads=1, tie_word_embeddings=True),
+        [1, 9, 5, 4],
+    ),
+    "dense_all_linear_equal_gdn_heads": (
+        False,
+        dict(layer_types=[LIN, LIN], linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16),
+        [3, 70, 6],  # 70 > the 64-token chunk of both implementations
+    ),
+    "dense_all_full_mha_bias_tied": (
+        False,
+        dict(
+            layer_types=[FULL, FULL],
+            num_key_value_heads=4,
+            tie_word_embeddings=True,
+            hidden_size=64,
+            attention_bias=True,
+        ),
+        [12, 2],
+    ),
+    "moe4_lin_full": (True, dict(layer_types=[LIN, FULL]), [6, 1, 10]),
+    "moe8_full_lin_lin_tied": (
+        True,
+        dict(layer_types=[FULL, LIN, LIN], num_experts=8, num_key_value_heads=1, tie_word_embeddings=True),
+        [2, 8, 3, 5],
+    ),
+}
+
+_WORST: dict[str, float] = {}  # largest relative error seen per kind, printed with `pytest -s`
+
+
+def make_config(moe: bool, **overrides):
+    kw = {**BASE, **(MOE if moe else {}), **overrides}
+    if kw.get("layer_types") is None:
+        kw.pop("layer_types", None)
+    else:
+        kw["num_hidden_layers"] = len(kw["layer_types"])
+    cls = Qwen3_5MoeTextConfig if moe else Qwen3_5TextConfig
+    return cls(**kw)
+
+
+def hf_class(config):
+    return Qwen3_5MoeForCausalLM if getattr(config, "num_experts", 0) else Qwen3_5ForCausalLM
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Large enough weights that every path matters: matrices N(0, 0.2), vectors N(0, 0.1), moderate decay."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=gen)
+        if name.endswith("A_log"):
+            p.copy_(torch.rand(p.shape, generator=gen) * 2 - 2.5)  # A = exp(A_log) in [0.08, 0.6]
+        elif name.endswith("linear_attn.norm.weight"):  # one-centered gated norm
+            p.copy_(1 + 0.1 * noise)
+        elif p.dim() == 1:
+            p.copy_(0.1 * noise)
+        else:
+            p.copy_(0.2 * noise)
+    return model
+
+
+def build_pair(config, tmp_path, seed: int = 0):
+    """A randomized transformers model, saved by transformers and loaded back as ours."""
+    torch.manual_seed(seed)
+    hf = randomize_(hf_class(config)(config).float(), seed).eval()
+    hf.config._attn_implementation = "eager"
+    path = tmp_path / "hf"
+    hf.save_pretrained(path)
+    ours = Qwen35ForCausalLM.from_pretrained(path)
+    return hf, ours
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    ref_max = ref.abs().max().item()
+    diff = (ours.double() - ref.double()).abs().max().item()
+    if ref_max == 0:
+        return diff
+    return diff / ref_max
+
+
+def record(kind: str, err: float) -> None:
+    _WORST[kind] = max(_WORST.get(kind, 0.0), err)
+
+
+def doc_slices(seq_lens):
+    start = 0
+    for n in seq_lens:
+        yield slice(start, start + n)
+        start += n
+
+
+def random_row(config, seq_lens, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, config.vocab_size, (sum(seq_lens),), generator=gen)
+
+
+def assert_grads_close(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], tol: float, kind: str):
+    assert ours.keys() == ref.keys()
+    worst = {}
+    for name, grad in ours.items():
+        assert grad is not None, name
+        worst[name] = rel_err(grad, ref[name])
+        record(f"{kind} (A_log, dt_bias)" if name.endswith(("A_log", "dt_bias")) else kind, worst[name])
+    bad = {n: e for n, e in worst.items() if e > tol}
+    assert not bad, f"gradients differ: {bad}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_worst_errors():
+    """Prints the largest relative errors of this module's comparisons at the end (visible with ``pytest -s``)."""
+    yield
+    for kind, err in sorted(_WORST.items()):
+        print(f"\n[qwen35-hf] worst relative error, {kind}: {err:.3e}")
+
+
+# --------------------------------------------------------------------------------------------------------
+# 1. Parity with transformers: logits and parameter gradients, packed row vs documents alone
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_parity_with_transformers(case, tmp_path):
+    moe, overrides, seq_lens = CASES[case]
+    config = make_config(moe, **overrides)
+    if overrides.get("layer_types", ()) is None:
+        assert config.layer_types == [LIN, LIN, LIN, FULL]  # transformers' default: every 4th layer full
+    hf, ours = build_pair(config, tmp_path, seed=len(case))
+    assert [layer.layer_type for layer in ours.model.layers] == config.layer_types
+    if moe:
+        assert isinstance(ours.model.layers[0].mlp.experts, Qwen35Experts)
+    if config.tie_word_embeddings:
+        assert ours.lm_head.weight is ours.model.embed_tokens.weight
+    ids = random_row(config, seq_lens, seed=1)
+    weights = torch.randn(ids.numel(), config.vocab_size, generator=torch.Generator().manual_seed(2))
+
+    # ours: one packed row
+    out = ours(ids, seq_lens)
+    assert out.token_log_probs is None and out.hidden_states.shape == (ids.numel(), config.hidden_size)
+    (out.logits * weights).sum().backward()
+    our_grads = {n: p.grad for n, p in ours.named_parameters()}
+
+    # transformers: one document at a time, gradients accumulated
+    for part in doc_slices(seq_lens):
+        ref_logits = hf(input_ids=ids[None, part], use_cache=False).logits[0]
+        err = rel_err(out.logits[part].detach(), ref_logits.detach())
+        record("logits", err)
+        assert err < TOL, f"logits of document {part}: relative error {err:.2e}"
+        (ref_logits * weights[part]).sum().backward()
+    ref_grads = {n: p.grad for n, p in hf.named_parameters()}
+    assert_grads_close(our_grads, ref_grads, GRAD_TOL, "grads")
+
+
+def test_mrope_positions_match_transformers(tmp_path):
+    """3-D MRoPE positions with full rotary and a real interleaved section split ([3, T] for ours)."""
+    rope = {"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 1.0, "mrope_section": [2, 3, 3]}
+    config = make_config(False, layer_types=[FULL, LIN], rope_parameters=rope)
+    hf, ours = build_pair(config, tmp_path, seed=5)
+    seq_lens = [6, 2, 9]
+    ids = random_row(config, seq_lens, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    positions = [torch.randint(0, 20, (3, n), generator=gen) for n in seq_lens]
+    logits = ours(ids, seq_lens, position_ids=torch.cat(positions, dim=1)).logits
+    for part, pos in zip(doc_slices(seq_lens), positions, strict=True):
+        ref = hf(input_ids=ids[None, part], position_ids=pos[:, None], use_cache=False).logits[0]
+        err = rel_err(logits[part].detach(), ref.detach())
+        record("logits", err)
+        assert err < TOL
+    # explicit per-document text positions are what the default gives
+    text_pos = torch.cat([torch.arange(n) for n in seq_lens])
+    torch.testing.assert_close(ours(ids, seq_lens, position_ids=text_pos).logits, ours(ids, seq_lens).logits)
+
+
+# --------------------------------------------------------------------------------------------------------
+# 2. Per-token log-probs without [T, vocab] logits
+
+
+def _reference_log_probs(hidden, weight, labels):
+    logp = torch.log_softmax((hidden @ weight.t()).float(), dim=-1)
+    return logp.gather(1, labels.clamp_min(0)[:, None]).squeeze(1) * (labels >= 0)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 5, 16, 17, 4096])
+def test_token_log_probs_function(chunk_size):
+    gen = torch.Generator().manual_seed(chunk_size)
+    t, h, v = 16, 12, 40
+    hidden = torch.randn(t, h, generator=gen, requires_grad=True)
+    weight = torch.randn(v, h, generator=gen, requires_grad=True)
+    labels = torch.randint(0, v, (t,), generator=gen)
+    labels[[0, 5, 6, 15]] = -100
+    upstream = torch.randn(t, generator=gen)
+
+    got = token_log_probs(hidden, weight, labels, chunk_size)
+    assert got.dtype == torch.float32 and (got[labels < 0] == 0).all()
+    g_hidden, g_weight = torch.autograd.grad((got * upstream).sum(), [hidden, weight])
+    ref = _reference_log_probs(hidden, weight, labels)
+    r_hidden, r_weight = torch.autograd.grad((ref * upstream).sum(), [hidden, weight])
+    for name, a, b in (("fwd", got, ref), ("hidden", g_hidden, r_hidden), ("weight", g_weight, r_weight)):
+        err = rel_err(a.detach(), b.detach())
+        record("token_log_probs", err)
+        assert err < TOL, name
+
+
+def test_token_log_probs_function_rejects_bad_shapes():
+    with pytest.raises(ContextParallelError, match="labels"):
+        token_log_probs(torch.randn(4, 3), torch.randn(5, 3), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ContextParallelError):
+        token_log_probs(torch.randn(1, 4, 3), torch.randn(5, 3), torch.zeros(4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("chunk_size", [3, 7, 64])
+def test_model_token_log_probs_match_logits(moe, chunk_size, tmp_path):
+    config = make_config(moe, layer_types=[LIN, FULL], tie_word_embeddings=moe)
+    _, ours = build_pair(config, tmp_path, seed=11)
+    seq_lens = [5, 2, 13]  # T = 20: chunks of 3 and 7 do not divide it
+    ids = random_row(config, seq_lens, seed=12)
+    gen = torch.Generator().manual_seed(13)
+    labels = torch.randint(0, config.vocab_size, ids.shape, generator=gen)
+    labels[[0, 4, 6, 19]] = -100
+    upstream = torch.randn(ids.shape, generator=gen)
+
+    out = ours(ids, seq_lens, labels=labels, loss_chunk_size=chunk_size)
+    assert out.logits is None
+    (out.token_log_probs * upstream).sum().backward()
+    got = {n: p.grad.clone() for n, p in ours.named_parameters()}
+    ours.zero_grad()
+
+    full = ours(ids, seq_lens, labels=labels, return_logits=True)
+    assert full.logits is not None
+    ref = torch.log_softmax(full.logits, -1).gather(1, labels.clamp_min(0)[:, None]).squeeze(1) * (labels >= 0)
+    err = rel_err(out.token_log_probs.detach(), ref.detach())
+    record("token_log_probs", err)
+    assert err < TOL
+    assert (out.token_log_probs[labels < 0] == 0).all()
+    (ref * upstream).sum().backward()
+    assert_grads_close(got, {n: p.grad for n, p in ours.named_parameters()}, TOL, "token_log_probs")
+    # labels given as [1, T] are accepted too
+    batched = ours(ids[None], seq_lens, labels=labels[None], loss_chunk_size=chunk_size).token_log_probs
+    torch.testing.assert_close(batched, out.token_log_probs, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------------------------------------
+# 3. Checkpoints: ours -> transformers, sharded, VL-prefixed, missing tensors
+
+
+def _our_model(config, seed):
+    torch.manual_seed(seed)
+    return randomize_(Qwen35ForCausalLM(config), seed)
+
+
+@pytest.mark.parametrize(
+    ("moe", "tied"),
+    [(False, False), (False, True), (True, False), (True, True)],
+    ids=["dense", "dense_tied", "moe", "moe_tied"],
+)
+def test_our_checkpoint_loads_in_transformers(moe, tied, tmp_path):
+    config = make_config(moe, layer_types=[LIN, FULL, LIN], tie_word_embeddings=tied)
+    ours = _our_model(config, seed=21)
+    ours.save_pretrained(tmp_path)
+    saved = read_safetensors(tmp_path)
+    assert ("lm_head.weight" in saved) == (not tied)
+    if moe:
+        assert "model.layers.0.mlp.experts.3.gate_proj.weight" in saved  # per-expert, as transformers writes
+
+    hf, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True, attn_implementation="eager")
+    assert type(hf) is hf_class(config)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    hf_params = dict(hf.named_parameters())
+    our_params = dict(ours.named_parameters())
+    assert hf_params.keys() == our_params.keys()
+    for name, p in our_params.items():
+        assert torch.equal(hf_params[name], p), name
+    if tied:
+        assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+
+    ids = random_row(config, [9], seed=22)
+    with torch.no_grad():
+        ref = hf(input_ids=ids[None], use_cache=False).logits[0]
+        got = ours(ids, [9]).logits
+    err = rel_err(got, ref)
+    record("logits", err)
+    assert err < TOL
+
+    # and back: the same checkpoint loads into ours unchanged
+    again = Qwen35ForCausalLM.from_pretrained(tmp_path)
+    assert again.state_dict().keys() == ours.state_dict().keys()
+    for name, t in ours.state_dict().items():
+        assert torch.equal(again.state_dict()[name], t), name
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    config = make_config(True, layer_types=[LIN, FULL])
+    ours = _our_model(config, seed=31)
+    ours.save_pretrained(tmp_path / "single")
+    state = read_safetensors(tmp_path / "single")
+    write_safetensors(state, tmp_path / "sharded", max_shard_bytes=8 * 1024)
+    shutil.copy(tmp_path / "single" / "config.json", tmp_path / "sharded" / "config.json")
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 2 and not (tmp_path / "sharded" / "model.safetensors").exists()
+    assert index["weight_map"].keys() == state.keys()
+
+    loaded = Qwen35ForCausalLM.from_pretrained(tmp_path / "sharded")
+    for name, t in ours.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], t), name
+    ids = random_row(config, [4, 3], seed=32)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, [4, 3]).logits, ours(ids, [4, 3]).logits, rtol=0, atol=0)
+    # transformers reads the sharded folder too
+    _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "sharded", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+@pytest.mark.parametrize("vl_config", [False, True], ids=["text_config", "vl_config"])
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_vl_prefixed_checkpoint_loads(moe, vl_config, tmp_path):
+    config = make_config(moe, layer_types=[FULL, LIN])
+    ours = _our_model(config, seed=41)
+    ours.save_pretrained(tmp_path / "text")
+    state = {}
+    for name, t in read_safetensors(tmp_path / "text").items():
+        state[name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name] = t
+    state["model.visual.patch_embed.proj.weight"] = torch.randn(4, 3)  # vision and MTP weights are dropped
+    state["mtp.fc.weight"] = torch.randn(4, 4)
+    assert not any(n.startswith("model.layers.") for n in state)
+    write_safetensors(state, tmp_path / "vl")
+    if vl_config:
+        vl_class = Qwen3_5MoeConfig if moe else Qwen3_5Config
+        vl_class(text_config=config.to_dict()).save_pretrained(tmp_path / "vl")
+    else:
+        config.save_pretrained(tmp_path / "vl")
+
+    loaded = Qwen35ForCausalLM.from_pretrained(tmp_path / "vl")
+    assert loaded.config.model_type == config.model_type
+    for name, t in ours.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], t), name
+    ids = random_row(config, [5, 2], seed=42)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, [5, 2]).logits, ours(ids, [5, 2]).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "drop",
+    [
+        "model.layers.1.linear_attn.A_log",
+        "model.layers.0.self_attn.k_norm.weight",
+        "model.layers.0.mlp.experts.2.up_proj.weight",
+        "model.layers.1.mlp.experts.0.gate_proj.weight",
+        "lm_head.weight",
+    ],
+)
+def test_missing_tensor_raises(drop, tmp_path):
+    config = make_config(True, layer_types=[FULL, LIN])
+    _our_model(config, seed=51).save_pretrained(tmp_path)
+    state = read_safetensors(tmp_path)
+    del state[drop]
+    write_safetensors(state, tmp_path)
+    with pytest.raises(ContextParallelError, match=r"lacks .*" + drop.replace(".", r"\.")):
+        Qwen35ForCausalLM.from_pretrained(tmp_path)
+
+
+def test_stacked_expert_checkpoint_loads(tmp_path):
+    """Expert weights stored as transformers holds them in memory ([E, 2I, H] / [E, H, I]) load as they are."""
+    config = make_config(True, layer_types=[LIN, FULL])
+    ours = _our_model(config, seed=53)
+    state = dict(ours.state_dict())
+    assert "model.layers.1.mlp.experts.gate_up_proj" in state
+    write_safetensors(state, tmp_path)
+    config.save_pretrained(tmp_path)
+    loaded = Qwen35ForCausalLM.from_pretrained(tmp_path)
+    for name, t in state.items():
+        assert torch.equal(loaded.state_dict()[name], t), name
+
+
+def test_unexpected_tensor_raises(tmp_path):
+    config = make_config(False, layer_types=[LIN])
+    _our_model(config, seed=52).save_pretrained(tmp_path)
+    state = read_safetensors(tmp_path)
+    state["model.layers.7.mlp.up_proj.weight"] = torch.zeros(2, 2)
+    write_safetensors(state, tmp_path)
+    with pytest.raises(ContextParallelError, match=r"model\.layers\.7\.mlp\.up_proj\.weight"):
+        Qwen35ForCausalLM.from_pretrained(tmp_path)
+
+
+# --------------------------------------------------------------------------------------------------------
+# 4. Activation checkpointing
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_activation_checkpointing_same_logits_and_grads(moe, tmp_path):
+    config = make_config(moe, layer_types=[LIN, FULL, LIN], tie_word_embeddings=not moe)
+    _, plain = build_pair(config, tmp_path, seed=61)
+    wrapped = Qwen35ForCausalLM.from_pretrained(tmp_path / "hf")
+    keys_before = list(wrapped.state_dict())
+    assert apply_activation_checkpointing(wrapped) is wrapped
+    assert all(type(layer).__name__ == "CheckpointWrapper" for layer in wrapped.model.layers)
+    assert list(wrapped.state_dict()) == keys_before  # checkpoints saved from a wrapped model keep HF names
+
+    seq_lens = [6, 1, 9]
+    ids = random_row(config, seq_lens, seed=62)
+    gen = torch.Generator().manual_seed(63)
+    labels = torch.randint(0, config.vocab_size, ids.shape, generator=gen)
+    weights = torch.randn(ids.numel(), config.vocab_size, generator=gen)
+    grads, logits = [], []
+    for model in (plain, wrapped):
+        out = model(ids, seq_lens, labels=labels, return_logits=True)
+        ((out.logits * weights).sum() + out.token_log_probs.sum()).backward()
+        logits.append(out.logits.detach())
+        grads.append({n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()})
+    assert rel_err(logits[1], logits[0]) <= 1e-6
+    assert grads[0].keys() == grads[1].keys()
+    for name, g in grads[0].items():
+        assert rel_err(grads[1][name], g) <= 1e-6, name
+        if not torch.equal(grads[1][name], g):
+            record("activation checkpointing", rel_err(grads[1][name], g))
+
+
+# --------------------------------------------------------------------------------------------------------
+# 5. MoE experts and router
+
+
+def _naive_experts(experts: Qwen35Experts, x, topk_experts, topk_weights):
+    inter = experts.down_proj.size(-1)
+    rows = []
+    for n in range(x.size(0)):
+        y = torch.zeros_like(x[n])
+        for k in range(topk_experts.size(1)):
+            e = int(topk_experts[n, k])
+            gate = experts.gate_up_proj[e, :inter] @ x[n]
+            up = experts.gate_up_proj[e, inter:] @ x[n]
+            y = y + topk_weights[n, k] * (experts.down_proj[e] @ (F.silu(gate) * up))
+        rows.append(y)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize(("num_experts", "top_k"), [(4, 2), (8, 2), (6, 3), (5, 1)])
+def test_experts_looped_matches_naive(num_experts, top_k):
+    config = make_config(True, num_experts=num_experts, num_experts_per_tok=top_k)
+    torch.manual_seed(num_experts * 10 + top_k)
+    router, experts = Qwen35Router(config), Qwen35Experts(config)
+    randomize_(router, 1)
+    randomize_(experts, 2)
+    x = torch.randn(13, config.hidden_size, requires_grad=True)
+    weights, chosen = router(x)
+    assert chosen.shape == (13, top_k) and weights.shape == (13, top_k)
+    if num_experts == 8:  # an expert that gets no token must be skipped cleanly
+        chosen = chosen.where(chosen != 7, (chosen + 1) % 7)
+        chosen[:, 1] = torch.where(chosen[:, 1] == chosen[:, 0], (chosen[:, 0] + 1) % 7, chosen[:, 1])
+        assert 7 not in chosen
+
+    looped = experts._looped(x, chosen, weights)
+    torch.testing.assert_close(experts(x, chosen, weights), looped, rtol=0, atol=0)  # CPU fp32 takes the loop
+    naive = _naive_experts(experts, x, chosen, weights)
+    assert rel_err(looped.detach(), naive.detach()) < 1e-6
+
+    params = [x, experts.gate_up_proj, experts.down_proj, router.weight]
+    upstream = torch.randn_like(looped)
+    got = torch.autograd.grad((looped * upstream).sum(), params, retain_graph=True)
+    ref = torch.autograd.grad((naive * upstream).sum(), params)
+    for a, b in zip(got[:3], ref[:3], strict=True):
+        assert rel_err(a, b) < 1e-6
+    if top_k == 1:  # the one weight is always 1: no gradient reaches the router
+        assert got[3].abs().max() < 1e-6 and ref[3].abs().max() < 1e-6
+    else:
+        assert rel_err(got[3], ref[3]) < 1e-6
+    if num_experts == 8:
+        assert (got[1][7] == 0).all() and (got[2][7] == 0).all()
+
+
+@pytest.mark.parametrize(("num_experts", "top_k"), [(4, 2), (8, 2), (8, 1), (6, 3)])
+def test_router_topk_normalization(num_experts, top_k):
+    config = make_config(True, num_experts=num_experts, num_experts_per_tok=top_k)
+    router = randomize_(Qwen35Router(config), num_experts + top_k)
+    x = torch.randn(17, config.hidden_size, generator=torch.Generator().manual_seed(top_k))
+    weights, chosen = router(x)
+
+    probs = torch.softmax(x @ router.weight.t(), dim=-1)
+    ref_probs, ref_idx = probs.topk(top_k, dim=-1)
+    assert torch.equal(chosen, ref_idx)
+    torch.testing.assert_close(weights, ref_probs / ref_probs.sum(-1, keepdim=True), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(17))
+    assert (weights[:, :-1] >= weights[:, 1:]).all()  # sorted, largest first
+    if top_k == 1:
+        assert (weights == 1).all()
+
+    hf_router = Qwen3_5MoeTopKRouter(config)
+    hf_router.weight.data.copy_(router.weight.data)
+    _, hf_weights, hf_idx = hf_router(x)
+    assert torch.equal(chosen, hf_idx)
+    torch.testing.assert_close(weights, hf_weights, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------------------------------------
+# 6. Bad input
+
+
+@pytest.fixture(scope="module")
+def small_model():
+    torch.manual_seed(0)
+    return Qwen35ForCausalLM(make_config(False, layer_types=[LIN, FULL]))
+
+
+def test_batch_of_two_raises(small_model):
+    ids = torch.randint(0, 96, (2, 8))
+    with pytest.raises(ContextParallelError, match="batch size 2"):
+        small_model(ids, [8])
+    with pytest.raises(ContextParallelError, match="batch size 2"):
+        small_model(ids, [4, 4])
+
+
+@pytest.mark.parametrize("seq_lens", [[3, 4], [5, 5], [9], [8, 0, 1]])
+def test_seq_lens_not_summing_to_length_raise(small_model, seq_lens):
+    with pytest.raises(ContextParallelError):
+        small_model(torch.randint(0, 96, (8,)), seq_lens)
+
+
+def test_other_bad_forward_arguments_raise(small_model):
+    ids = torch.randint(0, 96, (8,))
+    with pytest.raises(ContextParallelError, match="exactly one"):
+        small_model(None, [8])
+    with pytest.raises(ContextParallelError, match="exactly one"):
+        small_model(ids, [8], inputs_embeds=torch.randn(8, 32))
+    with pytest.raises(ContextParallelError, match="position_ids"):
+        small_model(ids, [8], position_ids=torch.arange(7))
+    with pytest.raises(ContextParallelError, match="labels"):
+        small_model(ids, [8], labels=torch.zeros(7, dtype=torch.long))
+    # a row given as [1, T] or as embeddings is fine and gives the same logits
+    with torch.no_grad():
+        ref = small_model(ids, [3, 5]).logits
+        torch.testing.assert_close(small_model(ids[None], [3, 5]).logits, ref, rtol=0, atol=0)
+        embeds = small_model.model.embed_tokens(ids)
+        torch.testing.assert_close(small_model(None, [3, 5], inputs_embeds=embeds[None]).logits, ref, rtol=0, atol=0)
+
+
+def test_load_text_config_rejects_other_models(tmp_path):
+    llama = LlamaConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
+    with pytest.raises(ContextParallelError, match="llama"):
+        load_text_config(llama)
+    llama.save_pretrained(tmp_path)
+    with pytest.raises(ContextParallelError, match=r"not a Qwen3\.5 config"):
+        load_text_config(str(tmp_path))
+    with pytest.raises(ContextParallelError):
+        Qwen35ForCausalLM(llama)
+
+
+def test_load_text_config_accepts_qwen35_configs():
+    text = make_config(False)
+    assert load_text_config(text) is text
+    moe = make_config(True)
+    assert load_text_config(moe) is moe
+    vl = Qwen3_5Config(text_config=text.to_dict())
+    assert load_text_config(vl).model_type == "qwen3_5_text"
+    assert load_text_config(vl).hidden_size == text.hidden_size
