@@ -235,8 +235,6 @@ class Qwen35Experts(nn.Module):
         self.num_experts, inter = config.num_experts, config.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * inter, config.hidden_size))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, inter))
-        nn.init.normal_(self.gate_up_proj, std=config.initializer_range)
-        nn.init.normal_(self.down_proj, std=config.initializer_range)
 
     def _grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         flat = experts.reshape(-1)
@@ -349,6 +347,21 @@ class Qwen35ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """transformers' initialization: normal(0, initializer_range) for projections, embeddings and experts;
+        norms and the GDN decay parameters keep the values their modules set."""
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d)):
+                module.weight.normal_(0.0, std)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, Qwen35Experts):
+                module.gate_up_proj.normal_(0.0, std)
+                module.down_proj.normal_(0.0, std)
 
     @property
     def cp_topology(self):
@@ -439,7 +452,9 @@ class Qwen35ForCausalLM(nn.Module):
         config = self.config
         config.architectures = ["Qwen3_5MoeForCausalLM" if getattr(config, "num_experts", 0) else "Qwen3_5ForCausalLM"]
         config.save_pretrained(path)
-        write_safetensors(cp_to_hf_state(self.state_dict(), config), path)
+        # Activation-checkpoint wrappers add a prefix to their module's names; HF names have none.
+        state = {k.replace("_checkpoint_wrapped_module.", ""): v for k, v in self.state_dict().items()}
+        write_safetensors(cp_to_hf_state(state, config), path)
 
 
 def hf_to_cp_state(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
