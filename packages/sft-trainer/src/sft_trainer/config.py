@@ -1,0 +1,764 @@
+"""The trainer's configuration: pydantic models read from TOML, overridden from the command line, checked at load.
+
+A run is described by one TOML file with torchtitan-like sections (``[model]``, ``[data]``, ``[parallel]``,
+``[train]``, ``[train.lora]``, ``[checkpoint]``, ``[logging]``, ``[logging.wandb]``) and a top-level
+``output_dir``. Command-line overrides address any key by its dotted path::
+
+    sft-train --config run.toml --model.path /ckpt/Qwen3.5-0.8B --parallel.cp 2 --train.steps=10
+
+:func:`load_config` validates everything before any process group or weight exists: types, enums, ranges and
+unknown keys (pydantic), the rules that tie fields together (``seq_len`` divisible by ``cp``, one row per micro
+batch under CP, warmup within the run, ...) and the rules that depend on the model's ``config.json`` (attention
+heads vs ``cp`` for Ulysses, layer types vs the CP style, the GDN conv halo vs the shard length). Every problem
+is reported as ``field=value: rule`` in one :class:`ConfigError`, identically on every rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+__all__ = [
+    "CONFIGS_DIR",
+    "DEFAULT_CONFIG",
+    "LAYER_CP_STYLES",
+    "PRESETS",
+    "SHIPPED_DATA",
+    "SHIPPED_TOKENIZER",
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "LoggingConfig",
+    "LoraConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "TrainConfig",
+    "TrainingConfig",
+    "WandbConfig",
+    "check_config",
+    "config_from_dict",
+    "load_config",
+    "parse_overrides",
+    "resolve_model_config",
+    "tiny_qwen35_config",
+]
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+CONFIGS_DIR = _PACKAGE_DIR / "configs"
+DEFAULT_CONFIG = CONFIGS_DIR / "tiny_cpu.toml"
+SHIPPED_DATA = _PACKAGE_DIR / "assets" / "tiny_chat.jsonl"
+SHIPPED_TOKENIZER = _PACKAGE_DIR / "assets" / "tiny_tokenizer"
+
+# Which CP styles each Qwen3.5 layer type runs under. "ulysses": softmax attention by Ulysses all-to-all, GDN by
+# the conv halo and state passing. "state_passing" and "a2a" are the Mamba-2 strategies of Nemotron-H (later);
+# no Qwen3.5 layer runs under them.
+LAYER_CP_STYLES: dict[str, tuple[str, ...]] = {
+    "full_attention": ("ulysses",),
+    "linear_attention": ("ulysses",),
+}
+# nn.Linear names of the Qwen3.5 models that LoRA may target.
+QWEN35_LINEAR_NAMES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "in_proj_qkv",
+    "in_proj_z",
+    "in_proj_b",
+    "in_proj_a",
+    "out_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "shared_expert_gate",
+    "lm_head",
+)
+_VL_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+
+
+class ConfigError(ValueError):
+    """An invalid training config; ``problems`` lists every problem found, each as ``field=value: rule``."""
+
+    def __init__(self, problems: str | Sequence[str], source: str | None = None):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        self.source = source
+        where = f" ({source})" if source else ""
+        if len(self.problems) == 1:
+            message = f"invalid config{where}: {self.problems[0]}"
+        else:
+            listed = "\n".join(f"  - {p}" for p in self.problems)
+            message = f"invalid config{where}, {len(self.problems)} problems:\n{listed}"
+        super().__init__(message)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The tiny preset
+
+
+def tiny_qwen35_config(vocab_size: int = 1024):
+    """The built-in tiny hybrid Qwen3.5 (``model.preset = "tiny-qwen3_5"``): a transformers ``Qwen3_5TextConfig``.
+
+    Four layers (three Gated DeltaNet, then one gated softmax attention), hidden size 64, 4 query / 2 KV heads
+    of dim 16 (so cp in 1, 2, 4 satisfies Ulysses), GDN with 2 key / 4 value heads of dim 16 and conv kernel 4,
+    tied embeddings. ``vocab_size`` is set from the tokenizer at run time.
+    """
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    )
+
+
+PRESETS = {"tiny-qwen3_5": tiny_qwen35_config}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Sections
+
+
+class _Section(BaseModel):
+    # strict: TOML and the override parser give real ints, floats, bools and strings, so "10" for an int or 1
+    # for a bool is a mistake to report, not a value to coerce (ints are still accepted for floats).
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ModelConfig(_Section):
+    """``[model]``: which model to train and how to run it."""
+
+    path: str | None = Field(
+        None, description="HF checkpoint folder (config.json + safetensors) to fine-tune; text or VL Qwen3.5."
+    )
+    config: str | None = Field(
+        None,
+        description="A config.json (or a folder holding one) to build a randomly initialized model from; "
+        "exclusive with `path`.",
+    )
+    preset: Literal["tiny-qwen3_5"] | None = Field(
+        "tiny-qwen3_5",
+        description="Built-in model config, used when neither `path` nor `config` is set: 'tiny-qwen3_5' is a "
+        "4-layer hybrid (3 GDN + 1 attention) with the vocabulary of the tokenizer.",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Parameter and compute dtype ('bfloat16' on GPUs, 'float32' for CPU runs)."
+    )
+    attention_backend: Literal["auto", "torch", "varlen", "flash_attn"] = Field(
+        "auto", description="Softmax attention kernel (cp_core.AttentionBackend); 'auto' picks the fastest available."
+    )
+    recurrent_backend: Literal["auto", "torch", "fla"] = Field(
+        "auto",
+        description="GDN conv/delta-rule kernels (cp_core.RecurrentBackend): 'fla' needs flash-linear-attention "
+        "and CUDA; 'auto' uses it when available, else the torch reference.",
+    )
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each decoder layer in backward instead of keeping its activations."
+    )
+    compile: bool = Field(False, description="torch.compile each decoder layer.")
+
+
+class DataConfig(_Section):
+    """``[data]``: the chat dataset, its tokenizer and the packed rows."""
+
+    path: str = Field(
+        str(SHIPPED_DATA),
+        description="Chat dataset, JSONL or Parquet, one {'messages': [...]} per row; default: the shipped tiny set.",
+    )
+    tokenizer: str = Field(
+        str(SHIPPED_TOKENIZER),
+        description="Tokenizer folder (tokenizer.json with a chat template); default: the shipped tiny tokenizer. "
+        "For a checkpoint, usually its own folder.",
+    )
+    seq_len: int = Field(
+        256, gt=0, description="Tokens per packed row (S); each of the cp ranks holds seq_len / cp of them."
+    )
+    overlong: Literal["truncate", "drop"] = Field(
+        "truncate", description="A conversation longer than seq_len is truncated to seq_len, or dropped."
+    )
+    on_error: Literal["raise", "skip"] = Field(
+        "raise", description="A malformed record stops the run ('raise') or is skipped and counted ('skip')."
+    )
+    seed: int = Field(0, description="Seed of the dataset shuffle and packing order.")
+
+
+class ParallelConfig(_Section):
+    """``[parallel]``: the dp x cp process layout."""
+
+    dp: int = Field(
+        1,
+        description="Data-parallel replicas; -1 = all remaining ranks (world size / cp). Each replica packs its rows.",
+    )
+    cp: int = Field(1, ge=1, description="Context-parallel ranks per replica; each holds seq_len / cp tokens of a row.")
+    cp_style: Literal["ulysses", "state_passing", "a2a"] = Field(
+        "ulysses",
+        description="CP strategy: 'ulysses' = all-to-all attention, conv halo + state passing for GDN (all Qwen3.5 "
+        "layers); 'state_passing' / 'a2a' are the Mamba-2 strategies (Nemotron-H, later).",
+    )
+    backend: Literal["gloo", "nccl", "auto"] = Field(
+        "auto", description="torch.distributed backend; 'auto' = nccl when CUDA is available, else gloo."
+    )
+    local_workers: int | None = Field(
+        None,
+        ge=1,
+        description="Processes to spawn on this machine when not launched by torchrun; default dp * cp "
+        "(cp when dp = -1).",
+    )
+
+    @field_validator("dp")
+    @classmethod
+    def _dp_rule(cls, value: int) -> int:
+        if value < 1 and value != -1:
+            raise ValueError("must be >= 1, or -1 for all remaining ranks")
+        return value
+
+    @property
+    def num_local_workers(self) -> int:
+        """How many processes to spawn locally (outside torchrun)."""
+        if self.local_workers is not None:
+            return self.local_workers
+        return (self.dp if self.dp > 0 else 1) * self.cp
+
+    def resolve_dp(self, world_size: int) -> int:
+        """The dp size for ``world_size`` ranks (resolving -1); raises ConfigError unless dp * cp == world_size."""
+        if world_size % self.cp:
+            raise ConfigError(f"parallel.cp={self.cp} must divide the world size {world_size}")
+        dp = world_size // self.cp if self.dp == -1 else self.dp
+        if dp * self.cp != world_size:
+            raise ConfigError(
+                f"parallel.dp={self.dp} x parallel.cp={self.cp} = {dp * self.cp} ranks, but the world size is "
+                f"{world_size}; set dp = {world_size // self.cp} or -1"
+            )
+        return dp
+
+
+class LoraConfig(_Section):
+    """``[train.lora]``: low-rank adapters instead of full fine-tuning."""
+
+    enabled: bool = Field(False, description="Train LoRA adapters on `targets` and freeze every other weight.")
+    rank: int = Field(8, description="Adapter rank r (> 0 when enabled).")
+    alpha: float = Field(16.0, gt=0, description="Adapter scale numerator: the update is (alpha / rank) * B A x.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter input.")
+    targets: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "out_proj"],
+        description="Names of the nn.Linear modules to adapt (matched on the last name component); a "
+        "comma-separated string is accepted on the command line.",
+    )
+
+    @field_validator("targets", mode="before")
+    @classmethod
+    def _split_targets(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [name.strip() for name in value.split(",") if name.strip()]
+        return value
+
+
+class TrainingConfig(_Section):
+    """``[train]``: steps, batch, optimizer (AdamW) and learning-rate schedule."""
+
+    steps: int = Field(40, ge=1, description="Optimizer steps to run.")
+    micro_batch_size: int = Field(
+        1, ge=1, description="Packed rows per rank per micro-batch; must be 1 under CP (cp > 1)."
+    )
+    grad_accum: int = Field(1, ge=1, description="Micro-batches accumulated into each optimizer step.")
+    lr: float = Field(3e-4, gt=0, description="Peak learning rate.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of `lr`.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps (at most `steps`).")
+    decay: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="Learning-rate decay after warmup, down to lr * min_lr_ratio."
+    )
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (beta1, beta2), each in [0, 1).")
+    max_grad_norm: float = Field(1.0, ge=0, description="Clip the global gradient norm to this; 0 disables clipping.")
+    seed: int = Field(0, description="Seed of the weight init (random-init models) and of dropout.")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters ([train.lora]).")
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _betas_tuple(cls, value: Any) -> Any:
+        return tuple(value) if isinstance(value, list) else value
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in value):
+            raise ValueError("each beta must be in [0, 1)")
+        return value
+
+
+class CheckpointConfig(_Section):
+    """``[checkpoint]``: saving, resuming and exporting."""
+
+    dir: str | None = Field(
+        None, description="Where training checkpoints go; unset: `output_dir`/checkpoints (see `checkpoint_dir`)."
+    )
+    every: int = Field(0, ge=0, description="Save a checkpoint every this many steps (0: only at the end).")
+    resume: bool | str = Field(
+        False,
+        description="true: resume from the latest checkpoint in `dir` (start fresh if none); a path: resume "
+        "from that checkpoint (must exist); false: start fresh.",
+    )
+    export_hf: bool = Field(True, description="At the end, write an HF checkpoint folder under `output_dir`/hf.")
+    merge_lora: bool = Field(
+        True, description="With LoRA, merge the adapters into the exported weights (else export adapters separately)."
+    )
+
+
+class WandbConfig(_Section):
+    """``[logging.wandb]``: Weights & Biases logging from rank 0."""
+
+    enabled: bool = Field(False, description="Log metrics to wandb (needs the wandb package).")
+    mode: Literal["offline", "online"] = Field(
+        "offline", description="'offline' writes runs locally (sync later); 'online' streams them."
+    )
+    project: str = Field("cp-sft", description="wandb project name.")
+    run_name: str | None = Field(None, description="wandb run name; default: wandb's generated one.")
+
+
+class LoggingConfig(_Section):
+    """``[logging]``: metrics and progress output (rank 0)."""
+
+    log_every: int = Field(1, ge=1, description="Log metrics every this many steps.")
+    metrics_file: str | None = Field(
+        None, description="JSONL file of per-step metrics; unset: `output_dir`/metrics.jsonl (see `metrics_path`)."
+    )
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="wandb logging ([logging.wandb]).")
+    progress_bar: bool = Field(True, description="Show a progress bar on rank 0.")
+
+
+class TrainConfig(_Section):
+    """A whole training run: the sections above plus ``output_dir``."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Model ([model]).")
+    data: DataConfig = Field(default_factory=DataConfig, description="Dataset and packing ([data]).")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="Process layout ([parallel]).")
+    train: TrainingConfig = Field(default_factory=TrainingConfig, description="Optimization ([train]).")
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="Checkpointing and export ([checkpoint])."
+    )
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics and logs ([logging]).")
+    output_dir: str = Field("outputs", description="Run folder: checkpoints, metrics, the exported model.")
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """``checkpoint.dir``, or ``output_dir``/checkpoints when unset."""
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else Path(self.output_dir) / "checkpoints"
+
+    @property
+    def metrics_path(self) -> Path:
+        """``logging.metrics_file``, or ``output_dir``/metrics.jsonl when unset."""
+        return Path(self.logging.metrics_file) if self.logging.metrics_file else Path(self.output_dir) / "metrics.jsonl"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Schema helpers
+
+
+def _submodel(annotation: Any) -> type[BaseModel] | None:
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _section_name(parts: Sequence[str]) -> str:
+    return f"[{'.'.join(parts)}]" if parts else "the top level"
+
+
+def _section_at(parts: Sequence[str]) -> type[BaseModel] | None:
+    cls: type[BaseModel] | None = TrainConfig
+    for part in parts:
+        field = cls.model_fields.get(part) if cls else None
+        cls = _submodel(field.annotation) if field else None
+    return cls
+
+
+def _unknown_key(parts: Sequence[str], key: str) -> str:
+    cls = _section_at(parts)
+    valid = ", ".join(cls.model_fields) if cls else "?"
+    dotted = ".".join([*parts, key])
+    return f"unknown key '{dotted}'; valid keys in {_section_name(parts)}: {valid}"
+
+
+def _accepted_types(annotation: Any) -> set[type]:
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        return {type(a) for a in typing.get_args(annotation)}
+    if origin in (Union, types.UnionType):
+        return set().union(*(_accepted_types(a) for a in typing.get_args(annotation)))
+    if origin is not None:
+        return {origin}
+    if annotation is None or annotation is type(None):
+        return {type(None)}
+    return {annotation} if isinstance(annotation, type) else set()
+
+
+def _format_validation_error(exc: ValidationError) -> list[str]:
+    """One ``field=value: rule`` line per offending field (union branches merged)."""
+    merged: dict[str, list[str]] = {}
+    inputs: dict[str, Any] = {}
+    for err in exc.errors():
+        loc = err["loc"]
+        if err["type"] == "extra_forbidden":
+            merged.setdefault(_unknown_key([str(p) for p in loc[:-1]], str(loc[-1])), [])
+            continue
+        cls: type[BaseModel] | None = TrainConfig
+        key = ""
+        for item in loc:
+            if isinstance(item, int):
+                key += f"[{item}]"
+            elif cls is not None and item in cls.model_fields:
+                key = f"{key}.{item}" if key else item
+                cls = _submodel(cls.model_fields[item].annotation)
+            # anything else names a union branch or a validator: not part of the field's path
+        key = key or "<config>"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "missing":
+            msg = "required"
+        merged.setdefault(key, [])
+        if msg not in merged[key]:
+            merged[key].append(msg)
+        inputs.setdefault(key, err.get("input"))
+    problems = []
+    for key, msgs in merged.items():
+        if not msgs:  # unknown key, already a whole sentence
+            problems.append(key)
+        elif key in inputs and msgs != ["required"]:
+            problems.append(f"{key}={inputs[key]!r}: {', or '.join(msgs)}")
+        else:
+            problems.append(f"{key}: {', or '.join(msgs)}")
+    return problems
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Command-line overrides
+
+
+def _parse_value(raw: str, annotation: Any) -> Any:
+    """A TOML scalar (or array / inline table) when ``raw`` parses as one, else the string itself."""
+    if raw == "null":
+        return None
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+    if isinstance(value, (datetime.date, datetime.time)):
+        return raw
+    accepted = _accepted_types(annotation)
+    fits = type(value) in accepted or (type(value) is int and float in accepted)
+    if str in accepted and not fits:  # e.g. a run name "123" or a path "2024"
+        return raw
+    return value
+
+
+def parse_overrides(overrides: Sequence[str]) -> list[tuple[str, str]]:
+    """``["--a.b", "1", "--c=x", "--flag"]`` -> ``[("a.b", "1"), ("c", "x"), ("flag", "true")]`` (raw values).
+
+    ``--key VALUE`` and ``--key=VALUE`` both work; a ``--key`` followed by another ``--option`` (or nothing) means
+    ``true``. Dashes in key names are read as underscores (``--train.grad-accum``).
+    """
+    pairs: list[tuple[str, str]] = []
+    tokens = list(overrides)
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if not token.startswith("--") or token == "--":
+            raise ConfigError(f"unexpected argument {token!r}; overrides look like --section.key VALUE or --key=VALUE")
+        body = token[2:]
+        if "=" in body:
+            key, value = body.split("=", 1)
+            i += 1
+        elif i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
+            key, value = body, tokens[i + 1]
+            i += 2
+        else:
+            key, value = body, "true"
+            i += 1
+        pairs.append((key.replace("-", "_"), value))
+    return pairs
+
+
+def _apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> list[str]:
+    problems: list[str] = []
+    for key, raw in parse_overrides(overrides):
+        parts = key.split(".")
+        if not all(parts):
+            problems.append(f"bad override key {key!r}; write --section.key VALUE")
+            continue
+        cls: type[BaseModel] = TrainConfig
+        node = data
+        for depth, part in enumerate(parts):
+            field = cls.model_fields.get(part)
+            if field is None:
+                problems.append(_unknown_key(parts[:depth], part))
+                break
+            sub = _submodel(field.annotation)
+            last = depth == len(parts) - 1
+            if last:
+                value = _parse_value(raw, field.annotation)
+                if sub is not None and not isinstance(value, dict):
+                    problems.append(
+                        f"'{key}' is a section, not a value; set one of its keys: {', '.join(sub.model_fields)}"
+                    )
+                elif sub is not None and isinstance(node.get(part), dict):
+                    node[part] = {**node[part], **value}
+                else:
+                    node[part] = value
+            elif sub is None:
+                problems.append(f"'{'.'.join(parts[: depth + 1])}' is a value, not a section; cannot set '{key}'")
+                break
+            else:
+                child = node.get(part)
+                if not isinstance(child, dict):
+                    child = node[part] = {}
+                node, cls = child, sub
+    return problems
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Model-dependent checks
+
+
+def _model_source(model: ModelConfig) -> str:
+    if model.path is not None:
+        return f"model.path={model.path!r}"
+    if model.config is not None:
+        return f"model.config={model.config!r}"
+    return f"model.preset={model.preset!r}"
+
+
+def resolve_model_config(model: ModelConfig, vocab_size: int | None = None):
+    """The transformers config ``model`` names: the checkpoint's, the config file's, or the preset's.
+
+    A VL (``qwen3_5``) config is returned whole; use ``cp_models.load_text_config`` for its text part.
+    ``vocab_size`` sets the preset's vocabulary (checkpoints and config files keep their own).
+    Raises :class:`ConfigError` naming the field when the file is missing, unreadable or of an unsupported
+    model type.
+    """
+    from cp_models.qwen3_5 import SUPPORTED_MODEL_TYPES
+
+    source = _model_source(model)
+    if model.path is not None and model.config is not None:
+        raise ConfigError(
+            f"model.path={model.path!r} and model.config={model.config!r}: set one (a checkpoint to fine-tune, "
+            "or a config.json for a randomly initialized model), not both"
+        )
+    if model.path is None and model.config is None:
+        if model.preset is None:
+            raise ConfigError("model: set one of model.path, model.config or model.preset")
+        return PRESETS[model.preset](**({} if vocab_size is None else {"vocab_size": vocab_size}))
+
+    given = Path(model.path if model.path is not None else model.config)
+    file = given / "config.json" if given.is_dir() else given
+    if model.path is not None and not given.is_dir():
+        raise ConfigError(f"{source}: not a folder; model.path is an HF checkpoint folder with a config.json")
+    if not file.is_file():
+        raise ConfigError(f"{source}: {file} does not exist")
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{source}: cannot read {file} as JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: {file} is not a JSON object")
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(
+            f"{source}: model_type={model_type!r} is not supported; supported model types: "
+            f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
+        )
+    from transformers import CONFIG_MAPPING
+
+    try:
+        return CONFIG_MAPPING[model_type].from_dict(raw)
+    except Exception as exc:  # transformers' own validation of the config's values
+        raise ConfigError(f"{source}: transformers rejects {file}: {exc}") from exc
+
+
+def _check_model(cfg: TrainConfig) -> list[str]:
+    from cp_core import ContextParallelError, check_ulysses_heads
+    from cp_models import load_text_config
+
+    try:
+        hf = resolve_model_config(cfg.model)
+    except ConfigError as exc:
+        return exc.problems
+    source = _model_source(cfg.model)
+    par, problems = cfg.parallel, []
+
+    is_vl = hf.model_type in _VL_MODEL_TYPES or getattr(hf, "vision_config", None) is not None
+    if is_vl and par.cp_style != "ulysses":
+        problems.append(
+            f"parallel.cp_style={par.cp_style!r}: {source} is a vision-language config (model_type "
+            f"{hf.model_type!r}, has vision_config), which requires cp_style='ulysses'"
+        )
+    text = load_text_config(hf)
+
+    layers: dict[str, list[int]] = {}
+    for i, layer_type in enumerate(text.layer_types[: text.num_hidden_layers]):
+        layers.setdefault(layer_type, []).append(i)
+    unstyled = []
+    for layer_type, idx in layers.items():
+        styles = LAYER_CP_STYLES.get(layer_type)
+        if styles is None:
+            problems.append(
+                f"{source}: layer type {layer_type!r} (layers {idx}) is not supported; supported layer types: "
+                f"{', '.join(LAYER_CP_STYLES)}"
+            )
+        elif par.cp_style not in styles:
+            unstyled.append(f"{layer_type!r} (layers {idx}; runs under cp_style {' or '.join(map(repr, styles))})")
+    if unstyled:
+        problems.append(
+            f"parallel.cp_style={par.cp_style!r} does not support the layer types of {source}: {', '.join(unstyled)}"
+        )
+
+    if "full_attention" in layers:
+        q, kv = text.num_attention_heads, text.num_key_value_heads
+        try:
+            check_ulysses_heads(q, kv, par.cp)
+        except ContextParallelError as exc:
+            problems.append(
+                f"parallel.cp={par.cp} vs the attention heads of {source} (num_attention_heads={q}, "
+                f"num_key_value_heads={kv}): {exc}"
+            )
+    if "linear_attention" in layers:
+        k_heads, v_heads = text.linear_num_key_heads, text.linear_num_value_heads
+        if v_heads % k_heads:
+            problems.append(
+                f"{source}: linear_num_value_heads={v_heads} must be a multiple of linear_num_key_heads={k_heads}"
+            )
+        halo = text.linear_conv_kernel_dim - 1
+        if par.cp > 1 and cfg.data.seq_len // par.cp < halo:
+            problems.append(
+                f"data.seq_len={cfg.data.seq_len} is too short for parallel.cp={par.cp}: each CP shard holds "
+                f"seq_len/cp={cfg.data.seq_len // par.cp} tokens but the GDN conv halo needs "
+                f"linear_conv_kernel_dim-1={halo} (seq_len >= cp * {halo} = {par.cp * halo})"
+            )
+
+    lora = cfg.train.lora
+    if lora.enabled:
+        unknown = [t for t in lora.targets if t not in QWEN35_LINEAR_NAMES]
+        if unknown:
+            problems.append(
+                f"train.lora.targets={lora.targets!r}: {unknown} are not linear layers of {source}; choose from "
+                f"{', '.join(QWEN35_LINEAR_NAMES)}"
+            )
+    return problems
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checks and loading
+
+
+def check_config(cfg: TrainConfig) -> list[str]:
+    """Every cross-field and model-dependent problem of an already type-checked config (empty: valid)."""
+    problems: list[str] = []
+    par, data, train = cfg.parallel, cfg.data, cfg.train
+
+    if data.seq_len % par.cp:
+        problems.append(
+            f"data.seq_len={data.seq_len} must be divisible by parallel.cp={par.cp} (each CP rank holds seq_len/cp "
+            "tokens)"
+        )
+    if par.cp > 1 and train.micro_batch_size != 1:
+        problems.append(
+            f"train.micro_batch_size={train.micro_batch_size} must be 1 when parallel.cp={par.cp} > 1 (a CP "
+            "micro-batch is one packed row; raise train.grad_accum or parallel.dp instead)"
+        )
+    if par.local_workers is not None:
+        if par.local_workers % par.cp:
+            problems.append(f"parallel.local_workers={par.local_workers} must be a multiple of parallel.cp={par.cp}")
+        elif par.dp != -1 and par.local_workers != par.dp * par.cp:
+            problems.append(
+                f"parallel.local_workers={par.local_workers} must equal parallel.dp * parallel.cp = "
+                f"{par.dp} * {par.cp} = {par.dp * par.cp} (or set parallel.dp = -1)"
+            )
+    if train.warmup_steps > train.steps:
+        problems.append(
+            f"train.warmup_steps={train.warmup_steps} must be <= train.steps={train.steps} (warmup happens within "
+            "the run)"
+        )
+    if train.lora.enabled:
+        if train.lora.rank <= 0:
+            problems.append(f"train.lora.rank={train.lora.rank} must be > 0 when train.lora.enabled=true")
+        if not train.lora.targets:
+            problems.append("train.lora.targets=[]: must name at least one linear layer when train.lora.enabled=true")
+
+    for field_name, value, kind in (
+        ("data.path", data.path, "file or folder"),
+        ("data.tokenizer", data.tokenizer, "folder"),
+    ):
+        if not Path(value).exists():
+            problems.append(f"{field_name}={value!r}: no such {kind}")
+    resume = cfg.checkpoint.resume
+    if isinstance(resume, str) and not Path(resume).exists():
+        problems.append(f"checkpoint.resume={resume!r}: no such checkpoint (use true to resume from the latest)")
+
+    problems.extend(_check_model(cfg))
+    return problems
+
+
+def config_from_dict(data: Mapping[str, Any], source: str | None = None) -> TrainConfig:
+    """Validate a nested dict (as read from TOML) into a :class:`TrainConfig`, or raise :class:`ConfigError`."""
+    try:
+        cfg = TrainConfig.model_validate(dict(data))
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc), source) from None
+    problems = check_config(cfg)
+    if problems:
+        raise ConfigError(problems, source)
+    return cfg
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        shipped = CONFIGS_DIR / f"{path.name}.toml" if path.suffix != ".toml" else CONFIGS_DIR / path.name
+        if len(path.parts) == 1 and shipped.is_file():
+            path = shipped
+        else:
+            shipped_names = ", ".join(sorted(p.stem for p in CONFIGS_DIR.glob("*.toml")))
+            raise ConfigError(f"config file {str(path)!r} does not exist (shipped configs: {shipped_names})")
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+
+
+def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """Read a TOML config, apply command-line overrides and validate the result.
+
+    ``path``: a TOML file, the name of a shipped config (``"tiny_cpu"``), or None for the shipped
+    ``configs/tiny_cpu.toml``. ``overrides``: ``["--parallel.cp", "2", "--train.steps=10", ...]``; values are
+    parsed as TOML scalars (ints, floats, booleans, quoted or bare strings, arrays), ``null`` unsets an optional
+    key. Raises :class:`ConfigError` listing every problem (unknown keys name the valid ones).
+    """
+    toml_path = DEFAULT_CONFIG if path is None else Path(path)
+    data = _read_toml(toml_path)
+    source = str(toml_path) + (" + overrides" if overrides else "")
+    problems = _apply_overrides(data, overrides)
+    if problems:
+        raise ConfigError(problems, source)
+    return config_from_dict(data, source)

@@ -1,0 +1,272 @@
+"""Start and run a training job: local workers or torchrun, device mesh, model, data, loop, checkpoints."""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from cp_core import CPTopology
+from sft_trainer.train import (
+    MetricsWriter,
+    StepStats,
+    lr_lambda,
+    now,
+    rng_state,
+    set_rng_state,
+    train_step,
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def world_layout(cfg) -> tuple[int, int]:
+    """(dp, cp): dp = -1 takes whatever the world size leaves."""
+    world = (
+        int(os.environ.get("WORLD_SIZE", 0)) or cfg.parallel.local_workers or max(cfg.parallel.dp, 1) * cfg.parallel.cp
+    )
+    dp = cfg.parallel.dp if cfg.parallel.dp > 0 else world // cfg.parallel.cp
+    if dp * cfg.parallel.cp != world:
+        raise SystemExit(f"parallel.dp={dp} x parallel.cp={cfg.parallel.cp} != world size {world}")
+    return dp, cfg.parallel.cp
+
+
+def launch(cfg) -> None:
+    """Run under torchrun when its variables are set; otherwise spawn dp x cp local workers (CPU runs)."""
+    if "RANK" in os.environ:
+        worker(cfg)
+        return
+    dp, cp = world_layout(cfg)
+    world = dp * cp
+    port = _free_port()
+    mp.spawn(_spawned, args=(cfg, world, port), nprocs=world, join=True)
+
+
+def _spawned(rank: int, cfg, world: int, port: int) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    worker(cfg)
+
+
+def _device_and_backend(cfg) -> tuple[torch.device, str]:
+    backend = cfg.parallel.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local), backend
+    return torch.device("cpu"), backend
+
+
+def build_model(cfg, vocab_size: int, device: torch.device):
+    from cp_models import Qwen35ForCausalLM, apply_activation_checkpointing
+    from sft_trainer.config import resolve_model_config
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
+    kwargs = dict(attention_backend=cfg.model.attention_backend, recurrent_backend=cfg.model.recurrent_backend)
+    if cfg.model.path:
+        model = Qwen35ForCausalLM.from_pretrained(cfg.model.path, dtype=dtype, **kwargs)
+    else:  # random init from a config file or the preset (the preset takes the tokenizer's vocabulary)
+        torch.manual_seed(cfg.train.seed)
+        model = Qwen35ForCausalLM(resolve_model_config(cfg.model, vocab_size=vocab_size), **kwargs).to(dtype)
+    if cfg.model.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    return model.to(device)
+
+
+def _memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def worker(cfg) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoTokenizer
+
+    from cp_models import set_context_parallel_attributes
+    from sft_trainer.data import build_training_rows
+
+    if cfg.train.lora.enabled:
+        raise SystemExit("train.lora.enabled: LoRA training is not implemented yet; set it to false")
+    device, backend = _device_and_backend(cfg)
+    dp, cp = world_layout(cfg)
+    dist.init_process_group(backend)
+    try:
+        rank = dist.get_rank()
+        mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
+        topology = CPTopology.from_mesh(mesh, "cp")
+        dp_group = mesh.get_group("dp")
+        world_group = dist.group.WORLD
+        tokenizer = AutoTokenizer.from_pretrained(cfg.data.tokenizer)
+        model = build_model(cfg, len(tokenizer), device)
+        set_context_parallel_attributes(model, topology.group, topology.rank, topology.size)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(
+            params, lr=cfg.train.lr, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay
+        )
+        steps, warmup = cfg.train.steps, cfg.train.warmup_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: lr_lambda(s, warmup, steps, cfg.train.decay, cfg.train.min_lr_ratio)
+        )
+        rows, data_stats = build_training_rows(cfg, tokenizer, group=topology.group)
+        my_rows = rows[mesh.get_local_rank("dp") :: dp]
+        if not my_rows:
+            raise SystemExit(f"no packed rows for dp rank {mesh.get_local_rank('dp')} ({len(rows)} rows for dp={dp})")
+        out_dir = Path(cfg.output_dir)
+        ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out_dir / "checkpoints"
+        start_step = maybe_resume(cfg, ckpt_dir, model, optimizer, scheduler)
+        metrics = MetricsWriter(
+            Path(cfg.logging.metrics_file) if cfg.logging.metrics_file else out_dir / "metrics.jsonl"
+        )
+        wandb_run = start_wandb(cfg) if rank == 0 else None
+        metrics.wandb_run = wandb_run
+        if rank == 0:
+            print(
+                f"[sft-train] dp={dp} cp={cp} backend={backend} device={device.type}; "
+                f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; data: {data_stats}",
+                flush=True,
+            )
+        losses = []
+        per_step = cfg.train.grad_accum
+        for step in range(start_step, steps):
+            batch = [my_rows[(step * per_step + i) % len(my_rows)] for i in range(per_step)]
+            started = now()
+            loss, tokens, grad_norm, skipped = train_step(
+                model, optimizer, scheduler, batch, topology, dp_group, world_group, cfg.train.max_grad_norm, device
+            )
+            seconds = now() - started
+            losses.append(loss)
+            row_tokens = len(batch) * cfg.data.seq_len * dp  # tokens processed this step, padding included
+            stats = StepStats(
+                step + 1,
+                loss,
+                tokens,
+                grad_norm,
+                scheduler.get_last_lr()[0],
+                seconds,
+                skipped,
+                {"memory_gib": _memory_gib(device), "tokens_per_s": row_tokens / seconds},
+            )
+            if rank == 0:
+                metrics.write(stats)
+                if cfg.logging.progress_bar and ((step + 1) % cfg.logging.log_every == 0 or step + 1 == steps):
+                    print(
+                        f"step {step + 1:5d}/{steps} | loss {loss:.4f} | tok/s {row_tokens / seconds:9.0f} | "
+                        f"step {seconds * 1000:7.1f} ms | mem {stats.extra['memory_gib']:.2f} GiB"
+                        + (" | SKIPPED (non-finite)" if skipped else ""),
+                        flush=True,
+                    )
+            if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 and step + 1 < steps:
+                save_checkpoint(ckpt_dir, step + 1, model, optimizer, scheduler)
+        save_checkpoint(ckpt_dir, steps, model, optimizer, scheduler)
+        export_dir = None
+        if cfg.checkpoint.export_hf:
+            export_dir = out_dir / "hf"
+            if rank == 0:
+                model.save_pretrained(export_dir)
+                tokenizer.save_pretrained(export_dir)
+            dist.barrier()
+        if rank == 0:
+            print(f"[sft-train] checkpoints: {ckpt_dir}", flush=True)
+            print(f"[sft-train] metrics: {metrics.path}", flush=True)
+            if export_dir:
+                print(f"[sft-train] HF export: {export_dir}", flush=True)
+        if wandb_run is not None:
+            wandb_run.finish()
+        return {"losses": losses, "checkpoint_dir": str(ckpt_dir)}
+    finally:
+        dist.destroy_process_group()
+
+
+def save_checkpoint(ckpt_dir: Path, step: int, model, optimizer, scheduler) -> None:
+    """torch.distributed.checkpoint of model, optimizer, scheduler, step and RNG (every rank writes its part)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    path = ckpt_dir / f"step-{step:06d}"
+    dcp.save(state, checkpoint_id=str(path))
+    extra = {"step": step, "scheduler": scheduler.state_dict(), "rng": rng_state()}
+    torch.save(extra, path / f"extra-rank{dist.get_rank()}.pt")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (ckpt_dir / "latest").write_text(path.name)
+
+
+def maybe_resume(cfg, ckpt_dir: Path, model, optimizer, scheduler) -> int:
+    resume = cfg.checkpoint.resume
+    if not resume:
+        return 0
+    if isinstance(resume, str) and resume not in ("true", "latest"):
+        path = Path(resume)
+    else:
+        latest = ckpt_dir / "latest"
+        if not latest.exists():
+            return 0
+        path = ckpt_dir / latest.read_text().strip()
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    extra = torch.load(path / f"extra-rank{dist.get_rank()}.pt", weights_only=False)
+    scheduler.load_state_dict(extra["scheduler"])
+    set_rng_state(extra["rng"])
+    if dist.get_rank() == 0:
+        print(f"[sft-train] resumed from {path} at step {extra['step']}", flush=True)
+    return int(extra["step"])
+
+
+def start_wandb(cfg):
+    if not cfg.logging.wandb.enabled:
+        return None
+    try:
+        import wandb
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise SystemExit("logging.wandb.enabled is true but wandb is not installed: pip install wandb") from exc
+    return wandb.init(
+        project=cfg.logging.wandb.project,
+        name=cfg.logging.wandb.run_name,
+        mode=cfg.logging.wandb.mode,
+        dir=str(cfg.output_dir),
+        config=cfg.model_dump(mode="json"),
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``sft-train [--config FILE.toml] [--section.key VALUE ...]``: validate the config, then train."""
+    from sft_trainer.config import ConfigError, load_config
+
+    argv = sys.argv[1:] if argv is None else argv
+    path = None
+    if argv[:1] == ["--config"] and len(argv) > 1:
+        path, argv = argv[1], argv[2:]
+    elif argv and argv[0].startswith("--config="):
+        path, argv = argv[0].split("=", 1)[1], argv[1:]
+    try:
+        cfg = load_config(path, argv)
+    except ConfigError as exc:
+        raise SystemExit(f"sft-train: invalid configuration:\n{exc}") from None
+    launch(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""The CP training loop: one packed row per micro-batch, sharded over the cp ranks of each dp replica.
+
+Gradients: every rank computes the gradient of the *global* loss restricted to its tokens (its shard's summed
+token losses divided by the token count all-reduced over dp x cp before backward), so the exact gradient is the
+sum over all ranks: every rank holds a full replica and the gradients are all-reduced (summed) over dp x cp.
+(FSDP2 sharding over the flattened dp x cp mesh, with a summing reduce-scatter, is the next step.)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cp_core import CPTopology, shard_sequence
+
+
+@dataclass
+class StepStats:
+    step: int
+    loss: float
+    tokens: int
+    """Loss tokens of the step over all ranks."""
+    grad_norm: float
+    lr: float
+    seconds: float
+    skipped: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def lr_lambda(step: int, warmup: int, total: int, decay: str, min_ratio: float) -> float:
+    """Multiplier of the peak learning rate at ``step`` (0-based): linear warmup, then cosine/linear/constant."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if decay == "constant" or total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if decay == "cosine" else 1.0 - progress
+    return min_ratio + (1 - min_ratio) * shape
+
+
+def reduce_gradients(params: list[torch.nn.Parameter], group: dist.ProcessGroup | None) -> None:
+    """Sum every gradient over ``group`` (replicated parameters; each rank holds a partial gradient)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def global_token_count(labels_rows: list[torch.Tensor], dp_group: dist.ProcessGroup | None, device) -> int:
+    """Loss tokens of this step over every micro-batch of every dp replica (rows are whole on every cp rank)."""
+    count = torch.tensor([sum(int((row >= 0).sum()) for row in labels_rows)], dtype=torch.int64, device=device)
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(count, group=dp_group)
+    return int(count.item())
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    rows: list[dict[str, Any]],
+    topology: CPTopology,
+    dp_group: dist.ProcessGroup | None,
+    world_group: dist.ProcessGroup | None,
+    max_grad_norm: float,
+    device: torch.device,
+) -> tuple[float, int, float, bool]:
+    """One optimizer step over ``rows`` (the grad-accumulation micro-batches of this dp replica).
+
+    Returns (global mean token loss, global loss tokens, grad norm, skipped). A non-finite loss or gradient on
+    any rank skips the step on every rank.
+    """
+    tokens = global_token_count([r["labels"] for r in rows], dp_group, device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for row in rows:
+        ids = shard_sequence(row["input_ids"].to(device), topology, 0)
+        labels = shard_sequence(row["labels"].to(device), topology, 0)
+        out = model(ids, row["seq_lens"], labels=labels)
+        local = -out.token_log_probs.sum()
+        (local / max(tokens, 1)).backward()
+        loss_sum += local.detach().double()
+    reduce_gradients(params, world_group)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    if world_group is not None:
+        dist.all_reduce(loss_sum, group=world_group)
+    finite = torch.tensor([float(torch.isfinite(loss_sum) and torch.isfinite(grad_norm))], device=device)
+    if world_group is not None:
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=world_group)
+    skipped = finite.item() < 1
+    if not skipped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return loss_sum.item() / max(tokens, 1), tokens, float(grad_norm), skipped
+
+
+class MetricsWriter:
+    """JSONL metrics (always) and wandb (when configured) from rank 0."""
+
+    def __init__(self, path: Path | None, wandb_run=None):
+        self.path, self.wandb_run = path, wandb_run
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, stats: StepStats) -> None:
+        record = {
+            "step": stats.step,
+            "loss": stats.loss,
+            "tokens": stats.tokens,
+            "grad_norm": stats.grad_norm,
+            "lr": stats.lr,
+            "step_time_s": stats.seconds,
+            "skipped": stats.skipped,
+            **stats.extra,
+        }
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log(record, step=stats.step)
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def env_rank() -> tuple[int, int, int]:
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def now() -> float:
+    return time.perf_counter()

@@ -1,0 +1,427 @@
+"""sft_trainer.config: TOML + command-line overrides, and every rule checked at load with a clear message."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import BaseModel
+
+from sft_trainer.config import (
+    DEFAULT_CONFIG,
+    SHIPPED_DATA,
+    SHIPPED_TOKENIZER,
+    ConfigError,
+    ParallelConfig,
+    TrainConfig,
+    config_from_dict,
+    load_config,
+    parse_overrides,
+    resolve_model_config,
+    tiny_qwen35_config,
+)
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+# --------------------------------------------------------------------------------------------------------
+# Model config files written into tmp_path; "{name}" in a case's overrides is replaced by that file's path.
+
+
+def _text_config(**changes) -> dict:
+    config = dict(
+        model_type="qwen3_5_text",
+        vocab_size=128,
+        hidden_size=96,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+    )
+    config.update(changes)
+    return config
+
+
+MODEL_FILES = {
+    "q6": _text_config(),  # 6 query heads, 2 KV heads
+    "kv3": _text_config(num_key_value_heads=3),  # 6 query heads, 3 KV heads
+    "conv8": _text_config(linear_conv_kernel_dim=8),
+    "vl": {
+        "model_type": "qwen3_5",
+        "text_config": {k: v for k, v in _text_config().items() if k != "model_type"},
+        "vision_config": {"depth": 1, "hidden_size": 32, "num_heads": 2, "out_hidden_size": 96},
+    },
+    "llama": {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4},
+    "not_json": "{ this is not json",
+}
+
+
+@pytest.fixture
+def model_files(tmp_path: Path) -> dict[str, str]:
+    paths = {}
+    for name, content in MODEL_FILES.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        text = content if isinstance(content, str) else json.dumps(content)
+        (folder / "config.json").write_text(text)
+        paths[name] = str(folder / "config.json")
+    paths["dir_q6"] = str(tmp_path / "q6")  # a checkpoint-like folder holding config.json
+    paths["missing"] = str(tmp_path / "does_not_exist")
+    return paths
+
+
+def _default_data() -> dict:
+    with DEFAULT_CONFIG.open("rb") as fh:
+        return tomllib.load(fh)
+
+
+def _merge(base: dict, changes: dict) -> dict:
+    out = dict(base)
+    for key, value in changes.items():
+        out[key] = _merge(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+def _build(case: dict | list, files: dict[str, str]) -> TrainConfig:
+    """A dict is merged onto the default TOML; a list is overrides on top of it."""
+    if isinstance(case, dict):
+        return config_from_dict(_merge(_default_data(), case))
+    return load_config(None, [token.format(**files) for token in case])
+
+
+# --------------------------------------------------------------------------------------------------------
+# The table: each invalid config and fragments its message must contain (field, value, rule).
+
+INVALID = [
+    (
+        "seq_len_not_divisible_by_cp",
+        ["--data.seq_len", "250", "--parallel.cp", "4"],
+        ["data.seq_len=250", "divisible by parallel.cp=4"],
+    ),
+    (
+        "micro_batch_2_with_cp_2",
+        ["--train.micro_batch_size", "2", "--parallel.cp", "2"],
+        ["train.micro_batch_size=2", "must be 1 when parallel.cp=2"],
+    ),
+    (
+        "q_heads_not_divisible_by_cp",
+        ["--model.config", "{q6}", "--parallel.cp", "4", "--data.seq_len", "256"],
+        ["parallel.cp=4", "num_attention_heads=6", "cp to divide the query heads", "choose cp in [1, 2, 3, 6]"],
+    ),
+    (
+        "kv_heads_incompatible_with_cp",
+        ["--model.config", "{kv3}", "--parallel.cp", "2"],
+        ["parallel.cp=2", "num_key_value_heads=3", "cp | kv_heads or kv_heads | cp"],
+    ),
+    (
+        "q_heads_from_checkpoint_folder",
+        ["--model.path", "{dir_q6}", "--parallel.cp", "4"],
+        ["model.path=", "num_attention_heads=6", "cp=4"],
+    ),
+    (
+        "unknown_top_level_key",
+        {"outptu_dir": "runs/x"},
+        ["unknown key 'outptu_dir'", "valid keys in the top level: model, data, parallel"],
+    ),
+    (
+        "unknown_nested_key_toml",
+        {"parallel": {"tp": 2}},
+        ["unknown key 'parallel.tp'", "valid keys in [parallel]: dp, cp, cp_style, backend, local_workers"],
+    ),
+    (
+        "unknown_nested_key_override",
+        ["--train.lora.rnk", "4"],
+        ["unknown key 'train.lora.rnk'", "valid keys in [train.lora]: enabled, rank, alpha"],
+    ),
+    (
+        "unknown_section_override",
+        ["--optim.lr", "1e-3"],
+        ["unknown key 'optim'", "valid keys in the top level"],
+    ),
+    ("wrong_type_int", {"train": {"steps": "ten"}}, ["train.steps='ten'", "valid integer"]),
+    ("wrong_type_bool", ["--model.compile", "1"], ["model.compile=1", "valid boolean"]),
+    ("wrong_type_str", {"model": {"path": 5}}, ["model.path=5", "valid string"]),
+    (
+        "bad_enum_cp_style",
+        ["--parallel.cp_style", "ring"],
+        ["parallel.cp_style='ring'", "'ulysses', 'state_passing' or 'a2a'"],
+    ),
+    ("bad_enum_dtype", {"model": {"dtype": "fp16"}}, ["model.dtype='fp16'", "'float32' or 'bfloat16'"]),
+    ("bad_enum_decay", ["--train.decay", "exp"], ["train.decay='exp'", "'cosine', 'linear' or 'constant'"]),
+    (
+        "warmup_longer_than_run",
+        ["--train.steps", "10", "--train.warmup_steps", "20"],
+        ["train.warmup_steps=20", "<= train.steps=10"],
+    ),
+    (
+        "lora_rank_0",
+        ["--train.lora.enabled", "--train.lora.rank", "0"],
+        ["train.lora.rank=0", "> 0 when train.lora.enabled"],
+    ),
+    (
+        "lora_unknown_target",
+        ["--train.lora.enabled=true", "--train.lora.targets", "q_proj,qkv"],
+        ["train.lora.targets=['q_proj', 'qkv']", "['qkv'] are not linear layers", "in_proj_qkv"],
+    ),
+    (
+        "vl_config_needs_ulysses",
+        ["--model.config", "{vl}", "--parallel.cp_style", "state_passing"],
+        ["parallel.cp_style='state_passing'", "vision-language", "requires cp_style='ulysses'"],
+    ),
+    (
+        "unsupported_model_type",
+        ["--model.config", "{llama}"],
+        [
+            "model.config=",
+            "model_type='llama' is not supported",
+            "qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text",
+        ],
+    ),
+    (
+        "layer_types_unsupported_under_style",
+        ["--parallel.cp_style", "a2a"],
+        [
+            "parallel.cp_style='a2a'",
+            "'linear_attention' (layers [0, 1, 2]",
+            "'full_attention' (layers [3]",
+            "'ulysses'",
+        ],
+    ),
+    (
+        "seq_len_too_short_for_conv_halo",
+        ["--data.seq_len", "4", "--parallel.cp", "2"],
+        ["data.seq_len=4", "parallel.cp=2", "GDN conv halo", "linear_conv_kernel_dim-1=3", "seq_len >= cp * 3 = 6"],
+    ),
+    (
+        "seq_len_too_short_for_wide_conv",
+        ["--model.config", "{conv8}", "--data.seq_len", "12", "--parallel.cp", "2"],
+        ["data.seq_len=12", "linear_conv_kernel_dim-1=7", ">= cp * 7 = 14"],
+    ),
+    ("cp_zero", ["--parallel.cp", "0"], ["parallel.cp=0", "greater than or equal to 1"]),
+    ("dp_zero", ["--parallel.dp", "0"], ["parallel.dp=0", "must be >= 1, or -1"]),
+    ("lr_zero", ["--train.lr", "0"], ["train.lr=0", "greater than 0"]),
+    ("grad_accum_zero", ["--train.grad_accum=0"], ["train.grad_accum=0", "greater than or equal to 1"]),
+    ("beta_out_of_range", ["--train.betas", "[0.9, 1.0]"], ["train.betas=[0.9, 1.0]", "each beta must be in [0, 1)"]),
+    (
+        "local_workers_mismatch",
+        ["--parallel.local_workers", "4"],
+        ["parallel.local_workers=4", "must equal parallel.dp * parallel.cp = 1 * 2 = 2"],
+    ),
+    (
+        "path_and_config_both",
+        ["--model.path", "{dir_q6}", "--model.config", "{q6}"],
+        ["model.path=", "model.config=", "not both"],
+    ),
+    ("model_path_missing", ["--model.path", "{missing}"], ["model.path=", "not a folder"]),
+    ("model_config_not_json", ["--model.config", "{not_json}"], ["model.config=", "cannot read", "as JSON"]),
+    ("data_path_missing", ["--data.path", "{missing}"], ["data.path=", "no such file or folder"]),
+    ("resume_path_missing", ["--checkpoint.resume", "{missing}"], ["checkpoint.resume=", "no such checkpoint"]),
+    ("section_set_as_value", ["--train.lora", "3"], ["'train.lora' is a section", "enabled, rank"]),
+    ("value_used_as_section", ["--model.path.x", "3"], ["'model.path' is a value, not a section"]),
+    ("not_an_option", ["parallel.cp", "2"], ["unexpected argument 'parallel.cp'", "--section.key VALUE"]),
+]
+
+
+@pytest.mark.parametrize("case, fragments", [c[1:] for c in INVALID], ids=[c[0] for c in INVALID])
+def test_invalid_config_names_field_value_and_rule(case, fragments, model_files):
+    with pytest.raises(ConfigError) as info:
+        _build(case, model_files)
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in:\n{message}"
+
+
+def test_table_covers_enough_cases():
+    assert len(INVALID) >= 12
+
+
+def test_all_problems_are_collected():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["--data.seq_len", "255", "--train.micro_batch_size", "2", "--train.warmup_steps", "99"])
+    assert len(info.value.problems) == 3
+    assert "3 problems" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"train": {"steps": "x", "lr": -1.0, "bogus": 1}})
+    assert len(info.value.problems) == 3
+
+
+def test_config_error_is_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Valid configs
+
+
+def test_default_config_loads():
+    cfg = load_config(None, [])
+    assert cfg == load_config(DEFAULT_CONFIG, []) == load_config("tiny_cpu", [])
+    assert cfg.model.preset == "tiny-qwen3_5" and cfg.model.path is None and cfg.model.config is None
+    assert cfg.parallel.cp == 2 and cfg.parallel.backend == "gloo" and cfg.parallel.num_local_workers == 2
+    assert 30 <= cfg.train.steps <= 60
+    assert cfg.data.seq_len % cfg.parallel.cp == 0
+    assert Path(cfg.data.path) == SHIPPED_DATA and SHIPPED_DATA.is_file()
+    assert Path(cfg.data.tokenizer) == SHIPPED_TOKENIZER and SHIPPED_TOKENIZER.is_dir()
+    assert cfg.checkpoint_dir == Path(cfg.output_dir) / "checkpoints"
+    assert cfg.metrics_path == Path(cfg.output_dir) / "metrics.jsonl"
+
+
+def test_toml_plus_overrides(tmp_path: Path, model_files):
+    toml = tmp_path / "run.toml"
+    toml.write_text(
+        f"""
+output_dir = "{tmp_path / "out"}"
+[model]
+config = "{model_files["q6"]}"
+preset = "tiny-qwen3_5"
+dtype = "bfloat16"
+[data]
+seq_len = 64
+[parallel]
+dp = -1
+cp = 2
+[train]
+steps = 12
+lr = 1e-3
+[train.lora]
+enabled = true
+rank = 4
+"""
+    )
+    cfg = load_config(str(toml), ["--train.steps=20", "--parallel.cp", "6", "--data.seq_len", "96", "--model.compile"])
+    assert cfg.model.config == model_files["q6"] and cfg.model.dtype == "bfloat16" and cfg.model.compile is True
+    assert (cfg.train.steps, cfg.train.lr, cfg.parallel.cp, cfg.data.seq_len) == (20, 1e-3, 6, 96)
+    assert cfg.parallel.dp == -1 and cfg.parallel.num_local_workers == 6
+    assert cfg.train.lora.enabled and cfg.train.lora.rank == 4 and cfg.train.lora.alpha == 16.0  # default kept
+    assert cfg.train.grad_accum == 1 and cfg.logging.wandb.mode == "offline"  # untouched sections take defaults
+    assert cfg.checkpoint_dir == tmp_path / "out" / "checkpoints"
+    # 6 query and 2 KV heads: cp=6 is fine, cp=4 is not (the message proposes the divisors)
+    with pytest.raises(ConfigError, match=r"choose cp in \[1, 2, 3, 6\]"):
+        load_config(str(toml), ["--parallel.cp", "4"])
+
+
+def test_checkpoint_folder_and_vl_config(model_files):
+    cfg = load_config(None, ["--model.path", model_files["dir_q6"], "--parallel.cp", "2"])
+    assert resolve_model_config(cfg.model).num_attention_heads == 6
+    cfg = load_config(None, ["--model.config", model_files["vl"]])
+    vl = resolve_model_config(cfg.model)
+    assert vl.model_type == "qwen3_5" and vl.text_config.num_attention_heads == 6
+
+
+@pytest.mark.parametrize(
+    "override, get, expected",
+    [
+        (["--train.lr=1e-4"], lambda c: c.train.lr, 1e-4),
+        (["--train.lr", "1"], lambda c: c.train.lr, 1.0),
+        (["--train.steps", "50"], lambda c: c.train.steps, 50),
+        (["--model.compile"], lambda c: c.model.compile, True),
+        (["--model.activation_checkpointing=false"], lambda c: c.model.activation_checkpointing, False),
+        (["--logging.wandb.enabled", "true"], lambda c: c.logging.wandb.enabled, True),
+        (["--logging.wandb.run_name", "123"], lambda c: c.logging.wandb.run_name, "123"),
+        (["--logging.wandb.project", '"quoted name"'], lambda c: c.logging.wandb.project, "quoted name"),
+        (["--logging.metrics_file", "m.jsonl"], lambda c: c.metrics_path, Path("m.jsonl")),
+        (["--checkpoint.dir", "/ckpt", "--checkpoint.dir", "null"], lambda c: c.checkpoint.dir, None),
+        (["--output_dir", "/tmp/run-2024"], lambda c: c.output_dir, "/tmp/run-2024"),
+        (["--output_dir", "2024-01-01"], lambda c: c.output_dir, "2024-01-01"),
+        (["--train.lora.targets", "q_proj,v_proj"], lambda c: c.train.lora.targets, ["q_proj", "v_proj"]),
+        (["--train.lora.targets", '["o_proj"]'], lambda c: c.train.lora.targets, ["o_proj"]),
+        (["--train.betas", "[0.8, 0.99]"], lambda c: c.train.betas, (0.8, 0.99)),
+        (["--checkpoint.resume", "true"], lambda c: c.checkpoint.resume, True),
+        (["--parallel.dp", "-1"], lambda c: c.parallel.dp, -1),
+        (["--train.grad-accum", "3"], lambda c: c.train.grad_accum, 3),
+        (["--data.overlong", "drop"], lambda c: c.data.overlong, "drop"),
+    ],
+)
+def test_override_value_parsing(override, get, expected):
+    value = get(load_config(None, override))
+    assert value == expected and type(value) is type(expected)
+
+
+def test_resume_from_existing_path(tmp_path: Path):
+    cfg = load_config(None, ["--checkpoint.resume", str(tmp_path)])
+    assert cfg.checkpoint.resume == str(tmp_path)
+
+
+def test_parse_overrides():
+    assert parse_overrides(["--a.b", "1", "--c=x=y", "--flag", "--d", "-2", "--e-f"]) == [
+        ("a.b", "1"),
+        ("c", "x=y"),
+        ("flag", "true"),
+        ("d", "-2"),
+        ("e_f", "true"),
+    ]
+
+
+def test_missing_config_file_lists_shipped_ones(tmp_path: Path):
+    with pytest.raises(ConfigError, match=r"does not exist \(shipped configs: .*tiny_cpu"):
+        load_config(str(tmp_path / "nope.toml"), [])
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nsteps = 3")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(str(bad), [])
+
+
+def test_parallel_resolution():
+    par = ParallelConfig(dp=-1, cp=2)
+    assert par.resolve_dp(8) == 4 and par.num_local_workers == 2
+    assert ParallelConfig(dp=2, cp=2).resolve_dp(4) == 2
+    with pytest.raises(
+        ConfigError, match=re.escape("parallel.dp=2 x parallel.cp=2 = 4 ranks, but the world size is 8")
+    ):
+        ParallelConfig(dp=2, cp=2).resolve_dp(8)
+    with pytest.raises(ConfigError, match=re.escape("parallel.cp=4 must divide the world size 6")):
+        ParallelConfig(dp=-1, cp=4).resolve_dp(6)
+
+
+def _models(cls: type[BaseModel]):
+    yield cls
+    for field in cls.model_fields.values():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            yield from _models(field.annotation)
+
+
+def test_every_field_documented_and_extra_forbidden():
+    for cls in _models(TrainConfig):
+        assert cls.model_config.get("extra") == "forbid", cls.__name__
+        for name, field in cls.model_fields.items():
+            assert field.description, f"{cls.__name__}.{name} has no description"
+
+
+# --------------------------------------------------------------------------------------------------------
+# The tiny preset
+
+
+def test_tiny_preset_is_a_hybrid_that_runs():
+    from cp_core import check_ulysses_heads
+    from cp_models import Qwen35ForCausalLM
+
+    config = tiny_qwen35_config(vocab_size=97)
+    assert type(config).__name__ == "Qwen3_5TextConfig" and config.vocab_size == 97
+    assert set(config.layer_types) == {"linear_attention", "full_attention"}
+    assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (
+        64,
+        4,
+        2,
+        16,
+    )
+    assert (config.linear_num_key_heads, config.linear_num_value_heads, config.linear_conv_kernel_dim) == (2, 4, 4)
+    for cp in (1, 2, 4):
+        check_ulysses_heads(config.num_attention_heads, config.num_key_value_heads, cp)
+    torch.manual_seed(0)
+    model = Qwen35ForCausalLM(config)
+    ids = torch.randint(0, 97, (24,))
+    out = model(ids, [10, 14])
+    assert out.logits.shape == (24, 97) and torch.isfinite(out.logits).all()

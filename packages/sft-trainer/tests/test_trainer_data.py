@@ -1,0 +1,342 @@
+"""Packed chat data: shipped assets, loading and its errors, the assistant loss mask, packing, rank assignment."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from itertools import accumulate
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from cp_core import build_packed_metadata
+from cp_core.testing import GlooWorkers, RankFailure
+from sft_trainer.data import (
+    IGNORE_INDEX,
+    DataError,
+    PackedDataset,
+    PackedRow,
+    collate_packed,
+    load_conversations,
+    pack_examples,
+    rows_for_rank,
+    tiny_chat_path,
+    tiny_tokenizer_dir,
+    tokenize_conversation,
+)
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_tiny_assets.py"
+PAD = 0
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(tiny_tokenizer_dir())
+
+
+@pytest.fixture(scope="module")
+def conversations():
+    return load_conversations(tiny_chat_path())
+
+
+def _write_jsonl(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def _good(text: str = "hi") -> str:
+    return json.dumps({"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "ok"}]})
+
+
+def _masked_runs(ids: list[int], mask: list[int]) -> list[list[int]]:
+    runs, current = [], []
+    for token, flag in zip(ids, mask, strict=True):
+        if flag:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return runs
+
+
+def _doc_ranges(seq_lens) -> list[tuple[int, int]]:
+    ends = list(accumulate(seq_lens))
+    return list(zip([0, *ends[:-1]], ends, strict=True))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Shipped assets
+
+
+def test_tiny_tokenizer_loads_and_round_trips(tokenizer):
+    assert 512 <= len(tokenizer) <= 1024
+    assert tokenizer.eos_token == tokenizer.pad_token == "<|endoftext|>"
+    specials = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    assert len(set(specials)) == 3 and tokenizer.unk_token_id not in specials
+    for text in ["What is 2 + 3?", "Reverse the words: red cat blue", "héllo wörld, 日本 🙂\n\n  tabs\tend"]:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert tokenizer.decode(ids) == text
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+    ]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    expected = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+    assert text == expected + "<|im_start|>assistant\nhello<|im_end|>\n"
+    prompt = tokenizer.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert tokenizer.convert_ids_to_tokens(tokenizer.encode(text, add_special_tokens=False))[0] == "<|im_start|>"
+
+
+def test_tiny_chat_dataset_is_small_valid_and_regenerates(conversations, tmp_path):
+    sizes = [tiny_chat_path().stat().st_size, *(p.stat().st_size for p in tiny_tokenizer_dir().iterdir())]
+    assert sum(sizes) < 1_000_000
+    assert len(conversations) == 400 and conversations.skipped == 0
+    assert {len([m for m in c.messages if m["role"] == "assistant"]) for c in conversations} == {1, 2, 3}
+    assert any(c.messages[0]["role"] == "system" for c in conversations)
+    spec = importlib.util.spec_from_file_location("make_tiny_assets", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--check"]) == 0  # seeded: a fresh build is byte-identical to the shipped files
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loading and its errors
+
+
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        ("{not json", "invalid JSON"),
+        (json.dumps({"text": "hi"}), "missing 'messages'"),
+        (json.dumps({"messages": []}), "'messages' is empty"),
+        (json.dumps({"messages": "hi"}), "must be a list"),
+        (json.dumps({"messages": [{"role": "tool", "content": "x"}]}), "messages[0].role is 'tool'"),
+        (json.dumps({"messages": [{"role": "assistant", "content": 3}]}), "messages[0].content must be a string"),
+        (json.dumps({"messages": [{"role": "user", "content": "x"}]}), "no assistant message"),
+        (json.dumps([1, 2]), "expected an object"),
+    ],
+)
+def test_malformed_row_names_file_and_row(tmp_path, line, problem):
+    path = _write_jsonl(tmp_path / "chats.jsonl", [_good(), "", line, _good()])
+    with pytest.raises(DataError) as info:
+        load_conversations(path)
+    message = str(info.value)
+    assert "chats.jsonl" in message and "row 3" in message and problem in message, message
+    assert isinstance(info.value, ValueError)
+
+
+def test_skip_mode_counts_malformed_rows(tmp_path):
+    path = _write_jsonl(tmp_path / "chats.jsonl", [_good("a"), "{bad", _good("b"), '{"messages": []}', _good("c")])
+    loaded = load_conversations(path, on_error="skip")
+    assert [(row, msgs[0]["content"]) for _, row, msgs in loaded] == [(1, "a"), (3, "b"), (5, "c")]
+    assert loaded.skipped == 2
+    assert "row 2" in loaded.skip_reasons[0] and "row 4" in loaded.skip_reasons[1]
+
+
+def test_parquet_rows_and_errors(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    table = pa.table({"messages": [good, None, good], "id": [1, 2, 3]})
+    path = tmp_path / "chats.parquet"
+    pq.write_table(table, path)
+    with pytest.raises(DataError, match=r"chats\.parquet: row 2: 'messages' must be a list"):
+        load_conversations(path)
+    loaded = load_conversations(tmp_path, on_error="skip")  # a directory: all its data files
+    assert [row for _, row, _ in loaded] == [1, 3] and loaded.skipped == 1
+    assert loaded[0].messages == good
+    pq.write_table(pa.table({"text": ["x"]}), tmp_path / "other.parquet")
+    with pytest.raises(DataError, match="no 'messages' column"):
+        load_conversations(tmp_path / "other.parquet", on_error="skip")  # a file-level problem always raises
+
+
+def test_skipped_rows_reach_the_dataset_stats(tmp_path, tokenizer):
+    path = _write_jsonl(tmp_path / "chats.jsonl", [_good("a"), "{bad", _good("b")])
+    dataset = PackedDataset.build(path, tokenizer, 64, on_error="skip")
+    assert dataset.stats.skipped_malformed == 1 and dataset.stats.documents == 2
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loss mask
+
+
+def test_loss_mask_covers_exactly_the_assistant_replies(tokenizer, conversations):
+    for conversation in list(conversations)[:60]:
+        messages = conversation.messages
+        ids, mask = tokenize_conversation(tokenizer, messages)
+        assert len(ids) == len(mask)
+        assert tokenizer.decode(ids) == tokenizer.apply_chat_template(messages, tokenize=False)
+        replies = [m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"]
+        runs = _masked_runs(ids, mask)
+        assert [tokenizer.decode(run) for run in runs] == replies
+        # Everything unmasked is template, system or user text.
+        unmasked = tokenizer.decode([t for t, f in zip(ids, mask, strict=True) if not f])
+        assert all(m["content"] in unmasked for m in messages if m["role"] != "assistant")
+
+
+def test_empty_assistant_turn_adds_no_loss_tokens(tokenizer):
+    messages = [
+        {"role": "user", "content": "first"},
+        {"role": "assistant", "content": ""},
+        {"role": "user", "content": "second"},
+        {"role": "assistant", "content": "answer"},
+    ]
+    ids, mask = tokenize_conversation(tokenizer, messages)
+    assert [tokenizer.decode(run) for run in _masked_runs(ids, mask)] == ["answer<|im_end|>"]
+    only_empty = tokenize_conversation(
+        tokenizer, [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]
+    )
+    assert only_empty.num_loss_tokens == 0 and len(only_empty.input_ids) > 0
+    rows, stats = pack_examples([only_empty], 32, pad_token_id=PAD)
+    assert stats.no_loss_documents == 1 and stats.loss_tokens == 0 and rows[0].num_loss_tokens == 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Packing
+
+
+def _check_row(row: PackedRow, seq_len: int) -> None:
+    assert row.input_ids.shape == row.labels.shape == (seq_len,)
+    assert row.input_ids.dtype == row.labels.dtype == torch.int64
+    assert sum(row.seq_lens) == seq_len and all(n > 0 for n in row.seq_lens)
+    for _start, end in _doc_ranges(row.seq_lens):
+        assert row.labels[end - 1] == IGNORE_INDEX  # the last token of every document predicts nothing
+    if row.padding:
+        assert row.seq_lens[-1] == row.padding
+        assert (row.input_ids[-row.padding :] == PAD).all() and (row.labels[-row.padding :] == IGNORE_INDEX).all()
+    assert row.num_loss_tokens == int((row.labels != IGNORE_INDEX).sum())
+
+
+def test_labels_are_next_tokens_within_documents():
+    docs = [
+        ([11, 12, 13, 14, 15], [0, 0, 1, 1, 1]),
+        ([21, 22, 23], [0, 1, 0]),
+        ([31, 32, 33, 34], [1, 1, 1, 1]),  # the first token has no previous token to predict it
+    ]
+    rows, stats = pack_examples(docs, 16, pad_token_id=PAD, shuffle=False)
+    assert len(rows) == 1 and stats.documents == 3
+    row = rows[0]
+    _check_row(row, 16)
+    assert row.seq_lens == (5, 3, 4, 4) and row.padding == 4
+    assert row.input_ids.tolist() == [11, 12, 13, 14, 15, 21, 22, 23, 31, 32, 33, 34, PAD, PAD, PAD, PAD]
+    m = IGNORE_INDEX
+    assert row.labels.tolist() == [m, 13, 14, 15, m, 22, m, m, 32, 33, 34, m, m, m, m, m]
+    assert stats.loss_tokens == 7 and stats.padding_tokens == 4
+
+
+def test_rows_are_exactly_seq_len(tokenizer, conversations):
+    dataset = PackedDataset.from_messages(conversations, tokenizer, 128, seed=3)
+    stats = dataset.stats
+    assert len(dataset) == stats.rows and stats.documents == len(conversations)
+    assert stats.truncated == stats.dropped == 0
+    assert sum(len(dataset[i].seq_lens) - (dataset[i].padding > 0) for i in range(len(dataset))) == stats.documents
+    for i in range(len(dataset)):
+        _check_row(dataset[i], 128)
+    assert stats.padding_tokens == sum(dataset[i].padding for i in range(len(dataset)))
+    assert stats.loss_tokens == sum(dataset[i].num_loss_tokens for i in range(len(dataset))) > 0
+    # Labels match the tokenized conversations: the mask, shifted by one inside each document.
+    docs = {tuple(d.input_ids): d for d in (tokenize_conversation(tokenizer, c.messages) for c in conversations)}
+    row = dataset[0]
+    for start, end in _doc_ranges(row.seq_lens[: row.num_documents]):
+        doc = docs[tuple(row.input_ids[start:end].tolist())]
+        expected = [t if f else IGNORE_INDEX for t, f in zip(doc.input_ids[1:], doc.loss_mask[1:], strict=True)]
+        assert row.labels[start:end].tolist() == [*expected, IGNORE_INDEX]
+    batch = collate_packed([dataset[0], dataset[1]])
+    assert batch["input_ids"].shape == (2, 128) and batch["seq_lens"] == [dataset[0].seq_lens, dataset[1].seq_lens]
+
+
+def test_full_row_has_no_padding_document():
+    rows, stats = pack_examples([([1, 2, 3], [0, 1, 1]), ([4, 5, 6, 7, 8], [0, 0, 0, 1, 1])], 8, pad_token_id=PAD)
+    assert len(rows) == 1 and rows[0].padding == 0 and stats.padding_tokens == 0
+    assert sorted(rows[0].seq_lens) == [3, 5]
+
+
+@pytest.mark.parametrize("overlong", ["truncate", "drop"])
+def test_overlong_documents_are_truncated_or_dropped_and_counted(overlong):
+    long_doc = (list(range(100, 140)), [0] * 10 + [1] * 30)
+    docs = [([1, 2, 3, 4], [0, 0, 1, 1]), long_doc, ([5, 6, 7], [0, 1, 1])]
+    rows, stats = pack_examples(docs, 16, pad_token_id=PAD, overlong=overlong, seed=0)
+    for row in rows:
+        _check_row(row, 16)
+    if overlong == "truncate":
+        assert (stats.truncated, stats.dropped, stats.documents) == (1, 0, 3)
+        (truncated,) = [r for r in rows if r.input_ids[0] == 100]
+        assert truncated.seq_lens == (16,) and truncated.input_ids.tolist() == list(range(100, 116))
+        assert truncated.num_loss_tokens == 6  # tokens 10..15 are targets of 9..14; 15 is the document's last
+    else:
+        assert (stats.truncated, stats.dropped, stats.documents) == (0, 1, 2)
+        assert all(100 not in r.input_ids.tolist() for r in rows)
+
+
+def test_document_longer_than_a_cp_shard():
+    seq_len, cp = 64, 4  # shards of 16 tokens
+    docs = [(list(range(1, 51)), [0] * 5 + [1] * 45), (list(range(60, 70)), [0] * 4 + [1] * 6)]
+    rows, _ = pack_examples(docs, seq_len, pad_token_id=PAD, shuffle=False)
+    (row,) = rows
+    _check_row(row, seq_len)
+    assert row.seq_lens == (50, 10, 4)
+    metas = [build_packed_metadata(row.seq_lens, r, cp, total_len=seq_len) for r in range(cp)]
+    assert [m.first_doc_starts_before for m in metas] == [False, True, True, True]
+    assert metas[0].last_doc_continues and metas[1].local_seq_lens == (16,)  # rank 1 holds only the middle
+    # Pre-shifted labels shard with the ids: the shards concatenate back to the row, cuts inside a document
+    # keep their targets (the label of a shard's last token is the next shard's first token).
+    shards = [row.labels[m.shard_start : m.shard_end] for m in metas]
+    assert torch.equal(torch.cat(shards), row.labels)
+    assert shards[0][-1] == row.input_ids[16] == 17
+
+
+def test_shuffle_is_deterministic(tokenizer, conversations):
+    a = PackedDataset.from_messages(conversations, tokenizer, 256, seed=7)
+    b = PackedDataset.from_messages(conversations, tokenizer, 256, seed=7)
+    c = PackedDataset.from_messages(conversations, tokenizer, 256, seed=8)
+    rows = lambda d: [(d[i].input_ids.tolist(), d[i].labels.tolist(), d[i].seq_lens) for i in range(len(d))]  # noqa: E731
+    assert rows(a) == rows(b)
+    assert rows(a) != rows(c)
+    assert a.stats.loss_tokens == c.stats.loss_tokens  # the same documents, in another order
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ranks
+
+
+def test_dp_ranks_get_disjoint_rows_and_cp_ranks_the_same(tokenizer, conversations):
+    dataset = PackedDataset.from_messages(conversations, tokenizer, 128, seed=0)
+    dp, cp = 2, 2
+    for epoch in (0, 1):
+        # A dp x cp mesh: global rank g has dp rank g // cp and cp rank g % cp; only the dp rank matters.
+        by_global = {g: list(rows_for_rank(dataset, g // cp, dp, epoch=epoch).indices) for g in range(dp * cp)}
+        assert by_global[0] == by_global[1] and by_global[2] == by_global[3]
+        r0, r1 = by_global[0], by_global[2]
+        assert len(r0) == len(r1) == len(dataset) // dp and not set(r0) & set(r1)
+        subset = rows_for_rank(dataset, 1, dp, epoch=epoch)
+        assert torch.equal(subset[0].input_ids, dataset[r1[0]].input_ids)
+    assert list(rows_for_rank(dataset, 0, dp, epoch=1).indices) != list(rows_for_rank(dataset, 0, dp).indices)
+    with pytest.raises(ValueError, match="dp rank"):
+        rows_for_rank(dataset, 2, 2)
+
+
+def _build_in_group(topology, data_dir: str, bad: bool):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir())
+    name = "bad.jsonl" if bad else "chats.jsonl"
+    path = Path(data_dir) / name if topology.rank == 0 else Path(data_dir) / "not-read-on-this-rank.jsonl"
+    dataset = PackedDataset.build(path, tokenizer, 64, seed=1, group=topology.group)
+    return dataset.stats, [(dataset[i].input_ids.tolist(), dataset[i].seq_lens) for i in range(len(dataset))]
+
+
+def test_rank_zero_builds_and_broadcasts_to_its_group(tmp_path):
+    _write_jsonl(tmp_path / "chats.jsonl", [_good(f"q{i}") for i in range(12)])
+    _write_jsonl(tmp_path / "bad.jsonl", [_good(), "{oops"])
+    with GlooWorkers(world_size=2) as workers:
+        (stats0, rows0), (stats1, rows1) = workers.run(_build_in_group, str(tmp_path), False)
+        assert stats0 == stats1 and rows0 == rows1 and stats0.documents == 12
+        failures = workers.run_collect(_build_in_group, str(tmp_path), True)
+    assert all(isinstance(f, RankFailure) for f in failures)
+    assert [f.type_name for f in failures] == ["DataError", "DataError"]
+    assert all("bad.jsonl: row 2: invalid JSON" in f.message for f in failures)
