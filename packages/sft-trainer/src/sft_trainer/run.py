@@ -101,8 +101,6 @@ def worker(cfg) -> dict[str, Any]:
     from cp_models import set_context_parallel_attributes
     from sft_trainer.data import build_training_rows
 
-    if cfg.train.lora.enabled:
-        raise SystemExit("train.lora.enabled: LoRA training is not implemented yet; set it to false")
     device, backend = _device_and_backend(cfg)
     dp, cp = world_layout(cfg)
     dist.init_process_group(backend)
@@ -115,6 +113,11 @@ def worker(cfg) -> dict[str, Any]:
         tokenizer = AutoTokenizer.from_pretrained(cfg.data.tokenizer)
         model = build_model(cfg, len(tokenizer), device)
         set_context_parallel_attributes(model, topology.group, topology.rank, topology.size)
+        if cfg.train.lora.enabled:
+            from sft_trainer.lora import apply_lora
+
+            lora = cfg.train.lora
+            apply_lora(model, lora.targets, lora.rank, lora.alpha, lora.dropout)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(
             params, lr=cfg.train.lr, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay
@@ -178,7 +181,7 @@ def worker(cfg) -> dict[str, Any]:
         if cfg.checkpoint.export_hf:
             export_dir = out_dir / "hf"
             if rank == 0:
-                model.save_pretrained(export_dir)
+                export_model(cfg, model, export_dir)
                 tokenizer.save_pretrained(export_dir)
             dist.barrier()
         if rank == 0:
@@ -191,6 +194,30 @@ def worker(cfg) -> dict[str, Any]:
         return {"losses": losses, "checkpoint_dir": str(ckpt_dir)}
     finally:
         dist.destroy_process_group()
+
+
+def export_model(cfg, model, export_dir: Path) -> None:
+    """HF checkpoint of the trained model; with LoRA, merged into the base weights (``checkpoint.merge_lora``) or
+    the base checkpoint plus ``lora_adapters.safetensors`` (adapter tensors by module name). Runs after the final
+    checkpoint: it replaces the adapters in place (the model holds process groups, so it is not deep-copied)."""
+    from sft_trainer.lora import LoRALinear, merge_lora
+
+    if not cfg.train.lora.enabled:
+        model.save_pretrained(export_dir)
+        return
+    if cfg.checkpoint.merge_lora:
+        merge_lora(model).save_pretrained(export_dir)
+        return
+    from safetensors.torch import save_file
+
+    adapters = {
+        f"{name}.{part}": getattr(module, part).detach().cpu().contiguous()
+        for name, module in model.named_modules()
+        if isinstance(module, LoRALinear)
+        for part in ("lora_A", "lora_B")
+    }
+    merge_lora(model, keep_base=True).save_pretrained(export_dir)
+    save_file(adapters, str(Path(export_dir) / "lora_adapters.safetensors"))
 
 
 def save_checkpoint(ckpt_dir: Path, step: int, model, optimizer, scheduler) -> None:

@@ -1,0 +1,66 @@
+"""LoRA adapters on chosen linear layers: ``y = W x + (alpha / r) B A dropout(x)``, W frozen, B starts at zero."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn as nn
+
+
+class LoRALinear(nn.Module):
+    """A frozen ``nn.Linear`` plus a trainable low-rank update. ``merged()`` returns the equivalent plain Linear."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0):
+        super().__init__()
+        self.base = base
+        self.base.requires_grad_(False)
+        self.scale = alpha / rank
+        self.lora_A = nn.Parameter(
+            torch.empty(rank, base.in_features, dtype=base.weight.dtype, device=base.weight.device)
+        )
+        self.lora_B = nn.Parameter(
+            torch.zeros(base.out_features, rank, dtype=base.weight.dtype, device=base.weight.device)
+        )
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (self.dropout(x) @ self.lora_A.t() @ self.lora_B.t()) * self.scale
+
+    @torch.no_grad()
+    def merged(self) -> nn.Linear:
+        out = nn.Linear(self.base.in_features, self.base.out_features, bias=self.base.bias is not None)
+        out = out.to(device=self.base.weight.device, dtype=self.base.weight.dtype)
+        out.weight.copy_(self.base.weight + (self.lora_B @ self.lora_A) * self.scale)
+        if self.base.bias is not None:
+            out.bias.copy_(self.base.bias)
+        return out
+
+
+def apply_lora(model: nn.Module, targets: Iterable[str], rank: int, alpha: float, dropout: float = 0.0) -> int:
+    """Freeze ``model`` and put adapters on every ``nn.Linear`` whose attribute name is in ``targets``.
+
+    Returns the number of adapted layers; raises if none matched (a typo would otherwise train nothing).
+    """
+    targets = set(targets)
+    model.requires_grad_(False)
+    found = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if name in targets and isinstance(child, nn.Linear):
+                found.append(name)
+                setattr(parent, name, LoRALinear(child, rank, alpha, dropout))
+    if not found:
+        raise ValueError(f"train.lora.targets={sorted(targets)} matched no linear layer of {type(model).__name__}")
+    return len(found)
+
+
+def merge_lora(model: nn.Module, keep_base: bool = False) -> nn.Module:
+    """Replace every adapter by its merged Linear (or, with ``keep_base``, by its untouched base), in place."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, LoRALinear):
+                setattr(parent, name, child.base if keep_base else child.merged())
+    return model
