@@ -32,14 +32,9 @@ def _free_port() -> int:
 
 
 def world_layout(cfg) -> tuple[int, int]:
-    """(dp, cp): dp = -1 takes whatever the world size leaves."""
-    world = (
-        int(os.environ.get("WORLD_SIZE", 0)) or cfg.parallel.local_workers or max(cfg.parallel.dp, 1) * cfg.parallel.cp
-    )
-    dp = cfg.parallel.dp if cfg.parallel.dp > 0 else world // cfg.parallel.cp
-    if dp * cfg.parallel.cp != world:
-        raise SystemExit(f"parallel.dp={dp} x parallel.cp={cfg.parallel.cp} != world size {world}")
-    return dp, cfg.parallel.cp
+    """(dp, cp) for this run's world: torchrun's WORLD_SIZE, else the local worker count (dp = -1 takes the rest)."""
+    world = int(os.environ.get("WORLD_SIZE", 0)) or cfg.parallel.num_local_workers
+    return cfg.parallel.resolve_dp(world), cfg.parallel.cp
 
 
 def launch(cfg) -> None:
@@ -131,11 +126,9 @@ def worker(cfg) -> dict[str, Any]:
         if not my_rows:
             raise SystemExit(f"no packed rows for dp rank {mesh.get_local_rank('dp')} ({len(rows)} rows for dp={dp})")
         out_dir = Path(cfg.output_dir)
-        ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out_dir / "checkpoints"
+        ckpt_dir = cfg.checkpoint_dir
         start_step = maybe_resume(cfg, ckpt_dir, model, optimizer, scheduler)
-        metrics = MetricsWriter(
-            Path(cfg.logging.metrics_file) if cfg.logging.metrics_file else out_dir / "metrics.jsonl"
-        )
+        metrics = MetricsWriter(cfg.metrics_path)
         wandb_run = start_wandb(cfg) if rank == 0 else None
         metrics.wandb_run = wandb_run
         if rank == 0:
@@ -290,6 +283,7 @@ def main(argv: list[str] | None = None) -> None:
         path, argv = argv[0].split("=", 1)[1], argv[1:]
     try:
         cfg = load_config(path, argv)
+        world_layout(cfg)  # the process layout must fit before anything starts
     except ConfigError as exc:
         raise SystemExit(f"sft-train: invalid configuration:\n{exc}") from None
     launch(cfg)
