@@ -128,7 +128,7 @@ def worker(cfg) -> dict[str, Any]:
         out_dir = Path(cfg.output_dir)
         ckpt_dir = cfg.checkpoint_dir
         start_step = maybe_resume(cfg, ckpt_dir, model, optimizer, scheduler)
-        metrics = MetricsWriter(cfg.metrics_path)
+        metrics = MetricsWriter(cfg.metrics_path if rank == 0 else None, fresh=start_step == 0)
         wandb_run = start_wandb(cfg) if rank == 0 else None
         metrics.wandb_run = wandb_run
         if rank == 0:

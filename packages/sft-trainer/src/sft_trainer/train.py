@@ -114,10 +114,12 @@ def train_step(
 class MetricsWriter:
     """JSONL metrics (always) and wandb (when configured) from rank 0."""
 
-    def __init__(self, path: Path | None, wandb_run=None):
+    def __init__(self, path: Path | None, wandb_run=None, fresh: bool = True):
         self.path, self.wandb_run = path, wandb_run
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
+            if fresh:  # a new run starts a new file; a resumed one appends
+                path.write_text("")
 
     def write(self, stats: StepStats) -> None:
         record = {
