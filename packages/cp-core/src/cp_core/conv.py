@@ -18,8 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cp_core.errors import ContextParallelError
-from cp_core.kernels import RecurrentBackend, resolve_recurrent_backend
-from cp_core.packing import PackedRowMetadata, cu_seqlens_from_lens, position_ids_from_seq_lens
+from cp_core.kernels import RecurrentBackend, fla_varlen_kwargs, resolve_recurrent_backend
+from cp_core.packing import PackedRowMetadata, position_ids_from_seq_lens
 from cp_core.topology import CPTopology
 
 ACTIVATIONS = (None, "silu")
@@ -102,15 +102,13 @@ def _fla_causal_conv1d(x, weight, bias, activation, seq_lens, halo, tokens_befor
         keep = torch.arange(width - 1, device=x.device) >= (width - 1 - tokens_before)
         first = torch.cat([halo.new_zeros(1, x.size(1)), halo * keep[:, None].to(halo.dtype)]).t()
         initial = torch.cat([first[None], first.new_zeros(len(seq_lens) - 1, *first.shape)])
-    cu_cpu = cu_seqlens_from_lens(seq_lens).long()
     y, _ = causal_conv1d(
         x.unsqueeze(0),
         weight=weight,
         bias=bias,
         activation=activation,
         initial_state=initial,
-        cu_seqlens=cu_cpu.to(x.device, non_blocking=True),
-        cu_seqlens_cpu=cu_cpu,
+        **fla_varlen_kwargs(seq_lens, x.device),
     )
     return y.squeeze(0)
 

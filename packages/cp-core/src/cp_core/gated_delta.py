@@ -24,9 +24,9 @@ import torch
 
 from cp_core.chunking import build_chunk_layout
 from cp_core.errors import ContextParallelError
-from cp_core.kernels import RecurrentBackend, resolve_recurrent_backend
+from cp_core.kernels import RecurrentBackend, fla_varlen_kwargs, resolve_recurrent_backend
 from cp_core.numerics import upcast
-from cp_core.packing import PackedRowMetadata, cu_seqlens_from_lens
+from cp_core.packing import PackedRowMetadata
 from cp_core.state_passing import pass_states
 from cp_core.topology import CPTopology
 
@@ -162,7 +162,6 @@ def chunk_gated_delta_rule_torch(
 def _chunk_gated_delta_rule_fla(q, k, v, g, beta, *, seq_lens, scale, initial_state, qk_l2norm):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    cu_cpu = cu_seqlens_from_lens(seq_lens).long()
     o, final = chunk_gated_delta_rule(
         q.unsqueeze(0),
         k.unsqueeze(0),
@@ -173,8 +172,7 @@ def _chunk_gated_delta_rule_fla(q, k, v, g, beta, *, seq_lens, scale, initial_st
         initial_state=initial_state,
         output_final_state=True,
         use_qk_l2norm_in_kernel=qk_l2norm,
-        cu_seqlens=cu_cpu.to(q.device, non_blocking=True),
-        cu_seqlens_cpu=cu_cpu,
+        **fla_varlen_kwargs(seq_lens, q.device),
     )
     return o.squeeze(0), final
 

@@ -34,3 +34,11 @@ def resolve_recurrent_backend(backend: str, x: torch.Tensor) -> str:
         why = "flash-linear-attention is not installed" if not fla_available() else f"tensors are on {x.device}"
         raise ContextParallelError(f"recurrent backend 'fla' needs CUDA tensors and flash-linear-attention ({why})")
     return "fla" if usable else "torch"
+
+
+def fla_varlen_kwargs(seq_lens, device: torch.device) -> dict[str, torch.Tensor]:
+    """fla's varlen arguments: int64 ``cu_seqlens`` on the device plus its CPU copy (spares fla a device read)."""
+    from cp_core.packing import cu_seqlens_from_lens
+
+    cu_cpu = cu_seqlens_from_lens(seq_lens).long()
+    return {"cu_seqlens": cu_cpu.to(device, non_blocking=True), "cu_seqlens_cpu": cu_cpu}

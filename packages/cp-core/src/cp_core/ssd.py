@@ -23,9 +23,9 @@ import torch
 
 from cp_core.chunking import build_chunk_layout
 from cp_core.errors import ContextParallelError
-from cp_core.kernels import RecurrentBackend, resolve_recurrent_backend
+from cp_core.kernels import RecurrentBackend, fla_varlen_kwargs, resolve_recurrent_backend
 from cp_core.numerics import upcast
-from cp_core.packing import PackedRowMetadata, cu_seqlens_from_lens
+from cp_core.packing import PackedRowMetadata
 from cp_core.state_passing import pass_states
 from cp_core.topology import CPTopology
 
@@ -135,7 +135,6 @@ def _ssd_fla(x, dt, A, B, C, *, seq_lens, D, initial_state):
     from fla.ops.simple_gla import chunk_simple_gla
 
     heads = x.size(1)
-    cu_cpu = cu_seqlens_from_lens(seq_lens).long()
     init = initial_state.transpose(-1, -2).contiguous() if initial_state is not None else None  # fla: [K=N, V=P]
     y, final = chunk_simple_gla(
         _heads(C, heads).unsqueeze(0),
@@ -145,8 +144,7 @@ def _ssd_fla(x, dt, A, B, C, *, seq_lens, D, initial_state):
         scale=1.0,
         initial_state=init,
         output_final_state=True,
-        cu_seqlens=cu_cpu.to(x.device, non_blocking=True),
-        cu_seqlens_cpu=cu_cpu,
+        **fla_varlen_kwargs(seq_lens, x.device),
     )
     y = y.squeeze(0)
     if D is not None:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from cp_core import (
     AttentionBackend,
     ContextParallelError,
+    CPTopology,
     PackedRowMetadata,
     RecurrentBackend,
     causal_conv1d_cp,
@@ -337,6 +338,8 @@ class Qwen35ForCausalLM(nn.Module):
     [T, vocab] logits.
     """
 
+    cp_topology: CPTopology = CPTopology.single()  # set once by set_context_parallel_attributes
+
     def __init__(
         self, config, attention_backend: AttentionBackend = "auto", recurrent_backend: RecurrentBackend = "auto"
     ):
@@ -362,16 +365,6 @@ class Qwen35ForCausalLM(nn.Module):
             elif isinstance(module, Qwen35Experts):
                 module.gate_up_proj.normal_(0.0, std)
                 module.down_proj.normal_(0.0, std)
-
-    @property
-    def cp_topology(self):
-        from cp_core import CPTopology
-
-        return self.__dict__.get("cp_topology", CPTopology.single())
-
-    @cp_topology.setter
-    def cp_topology(self, value) -> None:
-        self.__dict__["cp_topology"] = value
 
     def forward(
         self,

@@ -6,6 +6,7 @@ import os
 import resource
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,6 @@ from sft_trainer.train import (
     MetricsWriter,
     StepStats,
     lr_lambda,
-    now,
     rng_state,
     set_rng_state,
     train_step,
@@ -141,11 +141,11 @@ def worker(cfg) -> dict[str, Any]:
         per_step = cfg.train.grad_accum
         for step in range(start_step, steps):
             batch = [my_rows[(step * per_step + i) % len(my_rows)] for i in range(per_step)]
-            started = now()
+            started = time.perf_counter()
             loss, tokens, grad_norm, skipped = train_step(
                 model, optimizer, scheduler, batch, topology, dp_group, world_group, cfg.train.max_grad_norm, device
             )
-            seconds = now() - started
+            seconds = time.perf_counter() - started
             losses.append(loss)
             row_tokens = len(batch) * cfg.data.seq_len * dp  # tokens processed this step, padding included
             stats = StepStats(

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -150,11 +148,3 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def env_rank() -> tuple[int, int, int]:
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
-
-
-def now() -> float:
-    return time.perf_counter()
