@@ -1,10 +1,11 @@
 """Qwen3.5-0.8B-shaped model: forward + backward tokens/s and peak memory, ours vs transformers, on one GPU.
 
-    python benchmarks/qwen35_step.py [--seq-lens 8192 32768] [--out DIR]
+    python benchmarks/qwen35_step.py [--seq-lens 8192 32768] [--variants ...] [--out DIR]
 
 Random weights, bf16, one packed row of one document, loss = mean token cross-entropy. Ours: cp_models
 Qwen35ForCausalLM (fla kernels for GDN and conv, torch varlen attention, chunked loss that never builds [S, vocab]
-logits), with and without activation checkpointing. transformers: Qwen3_5ForCausalLM (SDPA, fla installed, loss
+logits), with and without activation checkpointing, and with torch.compile of each block's collective-free parts
+(sft_trainer.parallelize.apply_compile). transformers: Qwen3_5ForCausalLM (SDPA, fla installed, loss
 from ``labels``), with and without gradient checkpointing, in the same process. Median of 3 timed steps after 2
 warm-ups; peak = torch.cuda.max_memory_allocated during those steps. Writes qwen35_step.md (and .json) to --out.
 """
@@ -40,6 +41,16 @@ CONFIG = dict(  # Qwen3.5-0.8B text shape (public config)
         "mrope_section": [11, 11, 10],
     },
 )
+
+
+VARIANTS = {
+    "cp_models": "eager",
+    "cp_models + compile": "torch.compile of norms and MLPs",
+    "cp_models + act. ckpt": "activation checkpointing of every block",
+    "cp_models + act. ckpt + compile": "both",
+    "transformers": "SDPA, fla",
+    "transformers + grad. ckpt": "gradient checkpointing",
+}
 
 
 def _step_ours(model, ids, labels, seq_len):
@@ -93,32 +104,35 @@ def measure(name, model, step, seq_len, reps=3):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768])
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     args = parser.parse_args()
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     from cp_models import Qwen35ForCausalLM, apply_activation_checkpointing
+    from sft_trainer.parallelize import apply_compile
 
     config = Qwen3_5TextConfig(**CONFIG)
     rows = []
-    torch.manual_seed(0)
-    ours = Qwen35ForCausalLM(config).to("cuda", torch.bfloat16)
-    params = sum(p.numel() for p in ours.parameters())
-    for seq_len in args.seq_lens:
-        rows.append(measure("cp_models", ours, _step_ours, seq_len))
-    apply_activation_checkpointing(ours)
-    for seq_len in args.seq_lens:
-        rows.append(measure("cp_models + act. ckpt", ours, _step_ours, seq_len))
-    del ours
-    gc.collect()
-    torch.cuda.empty_cache()
-    config._attn_implementation = "sdpa"
-    hf = Qwen3_5ForCausalLM(config).to("cuda", torch.bfloat16)
-    for seq_len in args.seq_lens:
-        rows.append(measure("transformers", hf, _step_hf, seq_len))
-    hf.gradient_checkpointing_enable()
-    for seq_len in args.seq_lens:
-        rows.append(measure("transformers + grad. ckpt", hf, _step_hf, seq_len))
+    for variant in args.variants:
+        torch.manual_seed(0)
+        if variant.startswith("transformers"):
+            config._attn_implementation = "sdpa"
+            model, step = Qwen3_5ForCausalLM(config).to("cuda", torch.bfloat16), _step_hf
+            if variant != "transformers":
+                model.gradient_checkpointing_enable()
+        else:
+            model, step = Qwen35ForCausalLM(config).to("cuda", torch.bfloat16), _step_ours
+            if "ckpt" in variant:
+                apply_activation_checkpointing(model)
+            if "compile" in variant:
+                apply_compile(model)
+        params = sum(p.numel() for p in model.parameters())
+        for seq_len in args.seq_lens:
+            rows.append(measure(variant, model, step, seq_len))
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
 
     device = torch.cuda.get_device_name()
     lines = [

@@ -263,6 +263,34 @@ def test_token_log_probs_function(chunk_size):
         assert err < TOL, name
 
 
+def test_token_log_probs_bf16_is_as_accurate_as_plain_cross_entropy():
+    """bf16 inputs (the GPU training dtype): the chunked loss and its gradients are no further from the fp64 truth
+    than transformers' way (bf16 logits, fp32 log-softmax, autograd), within 1.5x of its error."""
+    gen = torch.Generator().manual_seed(0)
+    t, h, v = 64, 32, 500
+    hidden64 = torch.randn(t, h, generator=gen, dtype=torch.float64)
+    weight64 = torch.randn(v, h, generator=gen, dtype=torch.float64) / 4
+    labels = torch.randint(0, v, (t,), generator=gen)
+    labels[::7] = -100
+    upstream = torch.rand(t, generator=gen, dtype=torch.float64)
+
+    def grads(fn, dtype):
+        hidden = hidden64.to(dtype).requires_grad_()
+        weight = weight64.to(dtype).requires_grad_()
+        out = fn(hidden, weight)
+        return [
+            out.double(),
+            *(g.double() for g in torch.autograd.grad((out * upstream.to(out.dtype)).sum(), [hidden, weight])),
+        ]
+
+    truth = grads(lambda hid, w: _reference_log_probs(hid, w, labels), torch.float64)
+    ours = grads(lambda hid, w: token_log_probs(hid, w, labels, 24), torch.bfloat16)
+    plain = grads(lambda hid, w: _reference_log_probs(hid, w, labels), torch.bfloat16)
+    for name, t_, o, p in zip(("fwd", "hidden", "weight"), truth, ours, plain, strict=True):
+        ours_err, plain_err = rel_err(o, t_), rel_err(p, t_)
+        assert ours_err <= 1.5 * plain_err + 1e-6, (name, ours_err, plain_err)
+
+
 def test_token_log_probs_function_rejects_bad_shapes():
     with pytest.raises(ContextParallelError, match="labels"):
         token_log_probs(torch.randn(4, 3), torch.randn(5, 3), torch.zeros(3, dtype=torch.long))
@@ -368,7 +396,9 @@ def test_sharded_checkpoint_loads(tmp_path):
         assert torch.equal(loaded.state_dict()[name], t), name
     ids = random_row(config, [4, 3], seed=32)
     with torch.no_grad():
-        torch.testing.assert_close(loaded(ids, [4, 3]).logits, ours(ids, [4, 3]).logits, rtol=0, atol=0)
+        # The weights are bit-equal (above); the logits only to rounding: tensors read from the mmap'd shards sit
+        # at other addresses, and CPU kernels may take other vector paths (seen once: 8e-7 absolute under load).
+        torch.testing.assert_close(loaded(ids, [4, 3]).logits, ours(ids, [4, 3]).logits, rtol=1e-5, atol=1e-6)
     # transformers reads the sharded folder too
     _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "sharded", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]

@@ -13,7 +13,14 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cp_core import ContextParallelError, CPTopology, PackedRowMetadata, build_packed_metadata
+from cp_core import (
+    ContextParallelError,
+    CPTopology,
+    PackedRowMetadata,
+    RecurrentBackend,
+    build_packed_metadata,
+    resolve_recurrent_backend,
+)
 from cp_core.packing import check_divisible
 
 
@@ -66,28 +73,52 @@ def build_row_metadata(
 
 
 class ZeroCenteredRMSNorm(nn.Module):
-    """RMSNorm with weight stored as an offset from 1 (``x / rms(x) * (1 + w)``), computed in fp32."""
+    """RMSNorm with weight stored as an offset from 1 (``x / rms(x) * (1 + w)``), computed in fp32.
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    On CUDA with flash-linear-attention (``backend`` "auto" or "fla") one fused kernel each way, which keeps only
+    ``x`` and the per-row rstd for backward; :meth:`reference` is the torch path everywhere else.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, backend: RecurrentBackend = "auto"):
         super().__init__()
-        self.eps = eps
+        self.eps, self.backend = eps, backend
         self.weight = nn.Parameter(torch.zeros(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * (1.0 + self.weight.float())).type_as(x)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if resolve_recurrent_backend(self.backend, x) == "fla":
+            from fla.modules.norm.layernorm import rms_norm
+
+            return rms_norm(x, 1.0 + self.weight.float(), None, eps=self.eps)
+        return self.reference(x)
+
 
 class GatedRMSNorm(nn.Module):
-    """``w * x / rms(x) * silu(z)`` over the last dim (optionally in groups of ``group_size``)."""
+    """``w * x / rms(x) * silu(z)`` over the last dim (optionally in groups of ``group_size``; with
+    ``norm_before_gate=False`` the gate multiplies first, as in Mamba-2).
 
-    def __init__(self, dim: int, eps: float = 1e-6, group_size: int | None = None, norm_before_gate: bool = True):
+    On CUDA with flash-linear-attention one fused kernel each way (fla's grouped, gated RMSNorm); :meth:`reference`
+    is the torch path everywhere else.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        eps: float = 1e-6,
+        group_size: int | None = None,
+        norm_before_gate: bool = True,
+        backend: RecurrentBackend = "auto",
+    ):
         super().__init__()
         self.eps, self.group_size, self.norm_before_gate = eps, group_size or dim, norm_before_gate
+        self.backend = backend
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    def reference(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         y = x.float()
         if not self.norm_before_gate:
@@ -99,13 +130,41 @@ class GatedRMSNorm(nn.Module):
             y = y * F.silu(gate.float())
         return y.to(dtype)
 
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if resolve_recurrent_backend(self.backend, x) == "fla":
+            from fla.modules.norm.layernorm_gated import rmsnorm_fn
+
+            group = None if self.group_size == x.size(-1) else self.group_size
+            return rmsnorm_fn(
+                x, self.weight, None, z=gate, eps=self.eps, group_size=group, norm_before_gate=self.norm_before_gate
+            )
+        return self.reference(x, gate)
+
 
 # ----------------------------------------------------------------------------------------------------------
 # Loss without [S, vocab] logits
 
 
+def _accumulate_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``acc + a @ b`` with ``acc`` fp32: one GEMM with an fp32 output on CUDA (bf16 inputs), else exact in place."""
+    if a.dtype == acc.dtype:
+        return acc.addmm_(a, b)
+    if a.is_cuda:
+        try:
+            return torch.addmm(acc, a, b, out_dtype=acc.dtype)
+        except (TypeError, RuntimeError):  # torch without mixed-dtype addmm
+            pass
+    return acc.add_(a @ b)
+
+
 class _ChunkedTokenLogProbs(torch.autograd.Function):
-    """log p(label | hidden) per token, computing logits one chunk of tokens at a time, forward and backward."""
+    """log p(label | hidden) per token, computing logits one chunk of tokens at a time, forward and backward.
+
+    Backward never scales a [chunk, vocab] tensor by the upstream gradient: with ``g`` the per-token gradient,
+    ``d logits = -g (softmax - onehot)``, so ``g`` goes onto the small [chunk, hidden] sides of the two matmuls.
+    Softmax and the one-hot subtraction stay fp32; the matmuls take the weight's dtype (bf16 on GPU, as a plain
+    cross-entropy over bf16 logits would) and the weight gradient accumulates over chunks in fp32.
+    """
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk_size):
@@ -113,8 +172,8 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
         safe = labels.clamp_min(0)
         for start in range(0, hidden.size(0), chunk_size):
             part = slice(start, start + chunk_size)
-            logits = (hidden[part] @ weight.t()).float()
-            out[part] = logits.gather(1, safe[part, None]).squeeze(1) - logits.logsumexp(-1)
+            log_probs = torch.log_softmax(hidden[part] @ weight.t(), -1, dtype=torch.float32)
+            out[part] = log_probs.gather(1, safe[part, None]).squeeze(1)
         ctx.chunk_size = chunk_size
         ctx.save_for_backward(hidden, weight, safe)
         return out
@@ -122,16 +181,17 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, safe = ctx.saved_tensors
-        grad_hidden = torch.zeros_like(hidden)
+        grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+        neg_grad = -grad_out.float()[:, None]
         for start in range(0, hidden.size(0), ctx.chunk_size):
             part = slice(start, start + ctx.chunk_size)
-            logits = (hidden[part] @ weight.t()).float()
-            # d logp / d logits = onehot - softmax, scaled by the upstream gradient
-            grad_logits = -logits.softmax(-1) * grad_out[part, None]
-            grad_logits.scatter_add_(1, safe[part, None], grad_out[part, None].float())
-            grad_hidden[part] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
-            grad_weight += grad_logits.t() @ hidden[part].float()
+            probs = torch.softmax(hidden[part] @ weight.t(), -1, dtype=torch.float32)
+            probs.scatter_add_(1, safe[part, None], probs.new_full((probs.size(0), 1), -1.0))  # softmax - onehot
+            probs = probs.to(weight.dtype)
+            grad_hidden[part] = ((probs @ weight).float() * neg_grad[part]).to(hidden.dtype)
+            scaled_hidden = (hidden[part].float() * neg_grad[part]).to(weight.dtype)
+            grad_weight = _accumulate_matmul(grad_weight, probs.t(), scaled_hidden)
         return grad_hidden, grad_weight.to(weight.dtype), None, None
 
 

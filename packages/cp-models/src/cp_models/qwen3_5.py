@@ -112,7 +112,9 @@ def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
 class Qwen35Attention(ContextParallelModule):
     """Gated softmax attention: q_proj emits query and gate, q/k RMSNorm, partial rotary, GQA, Ulysses under CP."""
 
-    def __init__(self, config, attention_backend: AttentionBackend = "auto"):
+    def __init__(
+        self, config, attention_backend: AttentionBackend = "auto", recurrent_backend: RecurrentBackend = "auto"
+    ):
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -123,8 +125,8 @@ class Qwen35Attention(ContextParallelModule):
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
-        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, eps=config.rms_norm_eps, backend=recurrent_backend)
+        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, eps=config.rms_norm_eps, backend=recurrent_backend)
 
     def check_context_parallel(self, cp_size: int) -> None:
         check_ulysses_heads(self.num_heads, self.num_kv_heads, cp_size)
@@ -164,7 +166,7 @@ class Qwen35GatedDeltaNet(ContextParallelModule):
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, width, groups=conv_dim, padding=width - 1, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.log(torch.empty(self.num_v_heads).uniform_(0.01, 16)))
-        self.norm = GatedRMSNorm(self.head_v_dim, eps=config.rms_norm_eps)
+        self.norm = GatedRMSNorm(self.head_v_dim, eps=config.rms_norm_eps, backend=recurrent_backend)
         self.out_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
         self.in_proj_qkv = nn.Linear(config.hidden_size, conv_dim, bias=False)
         self.in_proj_z = nn.Linear(config.hidden_size, self.value_dim, bias=False)
@@ -289,15 +291,15 @@ class Qwen35DecoderLayer(nn.Module):
         if self.layer_type == "linear_attention":
             self.linear_attn = Qwen35GatedDeltaNet(config, recurrent_backend)
         elif self.layer_type == "full_attention":
-            self.self_attn = Qwen35Attention(config, attention_backend)
+            self.self_attn = Qwen35Attention(config, attention_backend, recurrent_backend)
         else:
             raise ContextParallelError(f"unknown Qwen3.5 layer type {self.layer_type!r} at layer {layer_idx}")
         if getattr(config, "num_experts", 0):
             self.mlp = Qwen35SparseMoeBlock(config)
         else:
             self.mlp = Qwen35MLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps, recurrent_backend)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps, recurrent_backend)
 
     def forward(self, hidden: torch.Tensor, rotary, meta: PackedRowMetadata) -> torch.Tensor:
         normed = self.input_layernorm(hidden)
@@ -317,7 +319,7 @@ class Qwen35TextModel(nn.Module):
         self.layers = nn.ModuleList(
             Qwen35DecoderLayer(config, i, attention_backend, recurrent_backend) for i in range(config.num_hidden_layers)
         )
-        self.norm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps, backend=recurrent_backend)
         self.rotary_emb = Qwen35Rotary(config)
 
     def forward(self, embeds: torch.Tensor, position_ids: torch.Tensor, meta: PackedRowMetadata) -> torch.Tensor:
@@ -438,15 +440,19 @@ class Qwen35ForCausalLM(nn.Module):
             model.to(dtype)
         return model
 
-    def save_pretrained(self, path: str | Path) -> None:
-        """Write a checkpoint folder that transformers' Qwen3_5(Moe)ForCausalLM loads."""
+    def save_pretrained(self, path: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """Write a checkpoint folder that transformers' Qwen3_5(Moe)ForCausalLM loads.
+
+        ``state_dict``: the weights to write instead of this module's own (e.g. gathered from FSDP shards).
+        """
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         config = self.config
         config.architectures = ["Qwen3_5MoeForCausalLM" if getattr(config, "num_experts", 0) else "Qwen3_5ForCausalLM"]
         config.save_pretrained(path)
-        # Activation-checkpoint wrappers add a prefix to their module's names; HF names have none.
-        state = {k.replace("_checkpoint_wrapped_module.", ""): v for k, v in self.state_dict().items()}
+        # Activation-checkpoint and compile wrappers add prefixes to their module's names; HF names have none.
+        state = self.state_dict() if state_dict is None else state_dict
+        state = {k.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""): v for k, v in state.items()}
         write_safetensors(cp_to_hf_state(state, config), path)
 
 

@@ -1,0 +1,104 @@
+"""Where the time of one forward + backward goes: torch.profiler tables of ours vs transformers (Qwen3.5-0.8B shape).
+
+    python benchmarks/profile_qwen35.py [--seq-len 8192] [--out DIR]
+
+Same model shape and step as benchmarks/qwen35_step.py. Writes profile_<model>.txt (kernels by self CUDA time) and
+a summary of CUDA time by kernel family to --out, and prints the summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from qwen35_step import CONFIG, _step_hf, _step_ours
+from torch.profiler import ProfilerActivity, profile
+
+FAMILIES = [  # first match wins
+    ("gdn (fla)", r"chunk|fwd_h|bwd_dh|wy|kkt|solve_tril|recompute|prepare_wy|gated_delta|l2norm|cumsum|local_cumsum"),
+    ("conv (fla)", r"conv"),
+    ("attention", r"flash|attn|fmha|sdpa"),
+    ("matmul", r"gemm|cutlass|sm90|nvjet|cublas|matmul|xmma"),
+    ("loss / softmax", r"log_softmax|logsumexp|softmax|cross_entropy|nll"),
+    ("copy / cast", r"copy|cast|to_copy|cat|fill"),
+    ("reduce", r"reduce"),
+    ("elementwise", r"elementwise|vectorized|unrolled|triton_"),
+]
+
+
+def family(name: str) -> str:
+    low = name.lower()
+    for label, pattern in FAMILIES:
+        if re.search(pattern, low):
+            return label
+    return "other"
+
+
+def profile_step(model, step, seq_len: int):
+    ids = torch.randint(0, CONFIG["vocab_size"], (seq_len,), device="cuda")
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        step(model, ids, ids.clone(), seq_len)
+    torch.cuda.synchronize()
+    model.zero_grad(set_to_none=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step(model, ids, ids.clone(), seq_len)
+        torch.cuda.synchronize()
+    return prof
+
+
+def summarize(prof) -> dict[str, float]:
+    by_family: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            by_family[family(event.key)] += event.self_device_time_total / 1000
+    return dict(by_family)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--out", type=Path, default=Path("/tmp/profile"))
+    args = parser.parse_args()
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from cp_models import Qwen35ForCausalLM
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    config = Qwen3_5TextConfig(**CONFIG)
+    config._attn_implementation = "sdpa"
+    summaries = {}
+    for name in ("ours", "transformers"):
+        torch.manual_seed(0)
+        if name == "ours":
+            model, step = Qwen35ForCausalLM(config).to("cuda", torch.bfloat16), _step_ours
+        else:
+            model, step = Qwen3_5ForCausalLM(config).to("cuda", torch.bfloat16), _step_hf
+        prof = profile_step(model, step, args.seq_len)
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=90)
+        (args.out / f"profile_{name}.txt").write_text(table)
+        summaries[name] = summarize(prof)
+        del model, prof
+        gc.collect()
+        torch.cuda.empty_cache()
+    families = sorted({f for s in summaries.values() for f in s}, key=lambda f: -summaries["ours"].get(f, 0))
+    lines = [
+        f"CUDA ms by kernel family, one forward + backward at S = {args.seq_len}",
+        "",
+        "| family | ours | transformers |",
+    ]
+    lines.append("|---|---|---|")
+    for f in families:
+        lines.append(f"| {f} | {summaries['ours'].get(f, 0):.1f} | {summaries['transformers'].get(f, 0):.1f} |")
+    total = {n: sum(s.values()) for n, s in summaries.items()}
+    lines.append(f"| total | {total['ours']:.1f} | {total['transformers']:.1f} |")
+    (args.out / "profile_summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
