@@ -11,6 +11,8 @@ The pieces, in the order one packed row meets them:
 - Recurrent layers: :func:`causal_conv1d_cp` (halo exchange with document resets), :func:`ssd_cp` (Mamba-2) and
   :func:`gated_delta_rule_cp` (Gated DeltaNet), exact by passing states down the ranks (:func:`pass_states`);
   torch paths everywhere, flash-linear-attention kernels on CUDA when installed.
+- Head-parallel recurrences (:mod:`cp_core.head_parallel`): the Ulysses all-to-all for Mamba-2's heads and B/C
+  groups (split when cp divides the groups, replicated when the groups divide cp).
 """
 
 from cp_core.attention import AttentionBackend, resolve_attention_backend, varlen_causal_attention
@@ -22,6 +24,7 @@ from cp_core.gated_delta import (
     gated_delta_rule_cp,
     naive_recurrent_gated_delta_rule,
 )
+from cp_core.head_parallel import check_head_parallel, fused_sequence_to_heads, local_groups, local_heads
 from cp_core.kernels import RecurrentBackend, resolve_recurrent_backend
 from cp_core.packing import (
     PackedRowMetadata,
@@ -61,15 +64,19 @@ __all__ = [
     "causal_conv1d",
     "causal_conv1d_cp",
     "check_divisible",
+    "check_head_parallel",
     "check_ulysses_heads",
     "chunk_gated_delta_rule_torch",
     "chunk_ssd_torch",
     "cu_seqlens_from_lens",
     "exchange_halo",
+    "fused_sequence_to_heads",
     "gated_delta_rule",
     "gated_delta_rule_cp",
     "gather_sequence",
     "heads_to_sequence",
+    "local_groups",
+    "local_heads",
     "naive_causal_conv1d",
     "naive_recurrent_gated_delta_rule",
     "naive_recurrent_ssd",

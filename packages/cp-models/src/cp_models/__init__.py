@@ -7,6 +7,7 @@ from cp_models.common import (
     set_context_parallel_attributes,
     token_log_probs,
 )
+from cp_models.nemotron_h import MambaCPStyle, NemotronHForCausalLM, load_nemotron_h_config
 from cp_models.qwen3_5 import Qwen35ForCausalLM, load_text_config
 
 __version__ = "0.1.0"
@@ -14,8 +15,11 @@ __version__ = "0.1.0"
 __all__ = [
     "CausalLMOutput",
     "ContextParallelModule",
+    "MambaCPStyle",
+    "NemotronHForCausalLM",
     "Qwen35ForCausalLM",
     "apply_activation_checkpointing",
+    "load_nemotron_h_config",
     "load_text_config",
     "set_context_parallel_attributes",
     "token_log_probs",

@@ -1,0 +1,655 @@
+"""Nemotron-H (hybrid Mamba-2 / attention / MLP / MoE) with context parallelism, HF-checkpoint compatible.
+
+One readable file in the manner of transformers' modeling files. Parameter names match transformers'
+``NemotronHForCausalLM`` in memory; checkpoints are read and written in the layout transformers itself saves
+(``backbone.`` prefix, one tensor per expert), so a checkpoint saved by transformers loads directly and
+:meth:`NemotronHForCausalLM.save_pretrained` writes one transformers loads back.
+
+Every block is ``x + mixer(RMSNorm(x))`` with one mixer chosen by ``config.layers_block_type`` (from
+``hybrid_override_pattern``: M = Mamba-2, * = attention, - = MLP, E = MoE). Forward takes this rank's tokens of
+one packed row and the row's global document lengths. Attention runs Ulysses (cp_core.ulysses_attention). Mamba-2
+runs one of two CP strategies, chosen per model with ``mamba_cp_style``:
+
+- ``"state_passing"``: stay sequence-sharded; the conv gets the previous rank's last ``W-1`` inputs
+  (cp_core.causal_conv1d_cp) and the SSD scan gets its initial state from the previous rank (cp_core.ssd_cp).
+  No head or group constraint; traffic per layer independent of the sequence length.
+- ``"a2a"``: head-parallel; one all-to-all takes x, B, C and dt to ``[S, heads/cp]``, conv and scan run over
+  the whole row for this rank's heads (parameters sliced at run time), one all-to-all brings y back. Needs
+  ``cp | mamba_num_heads`` and ``cp | n_groups`` or ``n_groups | cp`` (groups replicated).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from cp_core import (
+    AttentionBackend,
+    ContextParallelError,
+    CPTopology,
+    PackedRowMetadata,
+    RecurrentBackend,
+    causal_conv1d,
+    causal_conv1d_cp,
+    check_ulysses_heads,
+    heads_to_sequence,
+    ssd,
+    ssd_cp,
+    ulysses_attention,
+)
+from cp_core.head_parallel import check_head_parallel, fused_sequence_to_heads, local_groups, local_heads
+from cp_models.common import (
+    CausalLMOutput,
+    ContextParallelModule,
+    GatedRMSNorm,
+    build_row_metadata,
+    read_safetensors,
+    strip_prefixes,
+    token_log_probs,
+    write_safetensors,
+)
+
+MambaCPStyle = Literal["state_passing", "a2a"]
+MAMBA_CP_STYLES: tuple[str, ...] = ("state_passing", "a2a")
+MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
+
+
+def load_nemotron_h_config(path_or_config):
+    """The ``NemotronHConfig`` of a checkpoint folder or config object."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    config = (
+        path_or_config if isinstance(path_or_config, PretrainedConfig) else AutoConfig.from_pretrained(path_or_config)
+    )
+    if config.model_type != "nemotron_h":
+        raise ContextParallelError(f"not a Nemotron-H config: model_type={config.model_type!r}")
+    return config
+
+
+class ReLUSquared(nn.Module):
+    """``relu(x)^2`` (transformers' ``"relu2"``, the MLP and expert activation of the released models)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x).square()
+
+
+# The activations configs use, with transformers' semantics; importing transformers.activations costs seconds
+# (it pulls in the hub-kernel machinery), so anything else is looked up there only when a config asks for it.
+_ACTIVATIONS = {
+    "relu2": ReLUSquared,
+    "relu": nn.ReLU,
+    "silu": nn.SiLU,
+    "swish": nn.SiLU,
+    "gelu": nn.GELU,
+    "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh"),
+    "tanh": nn.Tanh,
+    "sigmoid": nn.Sigmoid,
+}
+
+
+def _activation(name: str) -> nn.Module:
+    if name in _ACTIVATIONS:
+        return _ACTIVATIONS[name]()
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
+
+
+class NemotronHRMSNorm(nn.Module):
+    """``w * x / rms(x)`` in fp32 (the weight multiplies before the cast back, as in transformers)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * y).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Token mixers
+
+
+class NemotronHMamba2Mixer(ContextParallelModule):
+    """Mamba-2: in_proj -> (z, x|B|C, dt); causal depthwise conv over x|B|C; SSD scan with D skip; RMSNorm of
+    ``y * silu(z)`` in groups of ``intermediate / n_groups``; out_proj.
+
+    ``dt = max(softplus(dt + dt_bias), time_step_min)``: transformers' torch path (and the mamba-ssm kernels it
+    calls) clamps to ``(time_step_min, inf)`` and ignores ``config.time_step_limit``; we do what it does.
+    """
+
+    def __init__(self, config, recurrent_backend: RecurrentBackend = "auto", cp_style: MambaCPStyle = "state_passing"):
+        super().__init__()
+        if cp_style not in MAMBA_CP_STYLES:
+            raise ContextParallelError(f"unknown mamba_cp_style {cp_style!r}; choose one of {MAMBA_CP_STYLES}")
+        self.num_heads, self.head_dim = config.mamba_num_heads, config.mamba_head_dim
+        self.n_groups, self.state_size = config.n_groups, config.ssm_state_size
+        self.intermediate_size = self.num_heads * self.head_dim
+        if self.num_heads % self.n_groups:
+            raise ContextParallelError(
+                f"mamba_num_heads={self.num_heads} must be a multiple of n_groups={self.n_groups}"
+            )
+        self.conv_dim = self.intermediate_size + 2 * self.n_groups * self.state_size
+        self.time_step_min = config.time_step_min
+        self.recurrent_backend, self.cp_style = recurrent_backend, cp_style
+        # silu is fused into the conv primitives; any other activation is applied after a linear conv.
+        act = config.mamba_hidden_act
+        self.conv_activation = "silu" if act in ("silu", "swish") else None
+        self.post_conv_act = None if self.conv_activation else _activation(act)
+
+        self.dt_bias = nn.Parameter(torch.ones(self.num_heads))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, self.num_heads + 1, dtype=torch.float32)))
+        self.D = nn.Parameter(torch.ones(self.num_heads))
+        width = config.conv_kernel
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, width, groups=self.conv_dim, padding=width - 1, bias=config.use_conv_bias
+        )
+        self.in_proj = nn.Linear(
+            config.hidden_size, self.intermediate_size + self.conv_dim + self.num_heads, bias=config.use_bias
+        )
+        self.norm = GatedRMSNorm(
+            self.intermediate_size,
+            eps=config.layer_norm_epsilon,
+            group_size=self.intermediate_size // self.n_groups,
+            norm_before_gate=False,
+            backend=recurrent_backend,
+        )
+        self.out_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.use_bias)
+
+    def check_context_parallel(self, cp_size: int) -> None:
+        if self.cp_style == "a2a":
+            check_head_parallel(self.num_heads, self.n_groups, cp_size, what="Mamba-2 head-parallel (a2a) CP")
+
+    def forward(self, hidden: torch.Tensor, meta: PackedRowMetadata) -> torch.Tensor:
+        t = hidden.size(0)
+        gate, xbc, dt = self.in_proj(hidden).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+        if self.cp_style == "a2a" and self.cp_topology.enabled:
+            y = self._head_parallel(xbc, dt, meta)
+        else:
+            y = self._sequence_parallel(xbc, dt, meta)
+        # The gated norm runs here, on this rank's tokens at full width, under both strategies: its groups span
+        # intermediate/n_groups channels, which a rank's heads cover only partly when n_groups < cp, so the
+        # head-parallel layout could not normalize exactly. Done here it is exact, and z never travels.
+        y = self.norm(y.reshape(t, self.intermediate_size), gate)
+        return self.out_proj(y)
+
+    def _activate(self, xbc: torch.Tensor) -> torch.Tensor:
+        return xbc if self.post_conv_act is None else self.post_conv_act(xbc)
+
+    def _discretize(self, dt: torch.Tensor, heads: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dt [T, h] fp32, A [h] fp32) of the given heads."""
+        dt = F.softplus(dt.float() + self.dt_bias[heads].float()).clamp_min(self.time_step_min)
+        return dt, -torch.exp(self.A_log[heads].float())
+
+    def _sequence_parallel(self, xbc: torch.Tensor, dt: torch.Tensor, meta: PackedRowMetadata) -> torch.Tensor:
+        """Sequence-sharded: conv halo + SSD state passing. Returns y [T, H, P]."""
+        t, groups_width = xbc.size(0), self.n_groups * self.state_size
+        xbc = causal_conv1d_cp(
+            xbc,
+            self.conv1d.weight.squeeze(1),
+            self.conv1d.bias,
+            meta,
+            self.cp_topology,
+            activation=self.conv_activation,
+            backend=self.recurrent_backend,
+        )
+        x, B, C = self._activate(xbc).split([self.intermediate_size, groups_width, groups_width], dim=-1)
+        dt, A = self._discretize(dt, slice(None))
+        return ssd_cp(
+            x.reshape(t, self.num_heads, self.head_dim),
+            dt,
+            A,
+            B.reshape(t, self.n_groups, self.state_size),
+            C.reshape(t, self.n_groups, self.state_size),
+            meta,
+            self.cp_topology,
+            D=self.D,
+            backend=self.recurrent_backend,
+        )
+
+    def _head_parallel(self, xbc: torch.Tensor, dt: torch.Tensor, meta: PackedRowMetadata) -> torch.Tensor:
+        """Head-parallel: one all-to-all to [S, heads/cp], conv + SSD over the whole row, one all-to-all back."""
+        topology = self.cp_topology
+        t, groups_width = xbc.size(0), self.n_groups * self.state_size
+        x, B, C = xbc.split([self.intermediate_size, groups_width, groups_width], dim=-1)
+        # B and C are replicated before the exchange when n_groups < cp (each rank gets the group its heads read).
+        x, B, C, dt = fused_sequence_to_heads(
+            [
+                x.reshape(t, self.num_heads, self.head_dim),
+                B.reshape(t, self.n_groups, self.state_size),
+                C.reshape(t, self.n_groups, self.state_size),
+                dt.reshape(t, self.num_heads, 1),
+            ],
+            topology,
+            replicate=[False, True, True, False],
+        )
+        s, local_h, local_g = x.size(0), x.size(1), B.size(1)
+        heads, groups = local_heads(self.num_heads, topology), local_groups(self.n_groups, topology)
+        # This rank's conv channels: its heads' x channels, its groups' B and C channels.
+        p, n, i = self.head_dim, self.state_size, self.intermediate_size
+        channels = [
+            slice(heads.start * p, heads.stop * p),
+            slice(i + groups.start * n, i + groups.stop * n),
+            slice(i + groups_width + groups.start * n, i + groups_width + groups.stop * n),
+        ]
+        weight = self.conv1d.weight.squeeze(1)
+        bias = self.conv1d.bias
+        local = torch.cat([x.reshape(s, -1), B.reshape(s, -1), C.reshape(s, -1)], dim=-1)
+        # The whole row is here: a plain conv with the global document boundaries (no halo).
+        local = causal_conv1d(
+            local,
+            torch.cat([weight[c] for c in channels]),
+            None if bias is None else torch.cat([bias[c] for c in channels]),
+            self.conv_activation,
+            seq_lens=meta.seq_lens,
+            backend=self.recurrent_backend,
+        )
+        x, B, C = self._activate(local).split([local_h * p, local_g * n, local_g * n], dim=-1)
+        dt, A = self._discretize(dt.reshape(s, local_h), heads)
+        y, _ = ssd(
+            x.reshape(s, local_h, p),
+            dt,
+            A,
+            B.reshape(s, local_g, n),
+            C.reshape(s, local_g, n),
+            seq_lens=meta.seq_lens,
+            D=self.D[heads],
+            backend=self.recurrent_backend,
+        )
+        return heads_to_sequence(y, topology)
+
+
+class NemotronHAttention(ContextParallelModule):
+    """Grouped-query softmax attention without positional encoding or biases (as transformers' Nemotron-H),
+    Ulysses under CP."""
+
+    def __init__(self, config, attention_backend: AttentionBackend = "auto"):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_backend = attention_backend
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def check_context_parallel(self, cp_size: int) -> None:
+        check_ulysses_heads(self.num_heads, self.num_kv_heads, cp_size)
+
+    def forward(self, hidden: torch.Tensor, meta: PackedRowMetadata) -> torch.Tensor:
+        t = hidden.size(0)
+        query = self.q_proj(hidden).view(t, self.num_heads, self.head_dim)
+        key = self.k_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
+        value = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
+        out = ulysses_attention(
+            query, key, value, meta, self.cp_topology, scale=self.scaling, backend=self.attention_backend
+        )
+        return self.o_proj(out.reshape(t, -1))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Feed-forward
+
+
+class NemotronHMLP(nn.Module):
+    """``down(act(up(x)))``, no gate; act is squared ReLU in the released models."""
+
+    def __init__(self, config, intermediate_size: int | None = None):
+        super().__init__()
+        inter = intermediate_size or config.intermediate_size
+        self.up_proj = nn.Linear(config.hidden_size, inter, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=config.mlp_bias)
+        self.act_fn = _activation(config.mlp_hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.up_proj(x)))
+
+
+class NemotronHTopkRouter(nn.Module):
+    """Sigmoid router (DeepSeek-V3 style): experts chosen by ``sigmoid(logits) + e_score_correction_bias``
+    within the ``topk_group`` best of ``n_group`` groups (a group scores the sum of its two best experts);
+    weights are the chosen plain sigmoid scores, optionally renormalized, times ``routed_scaling_factor``.
+    Computed in fp32 with fp32 weights (transformers keeps them fp32 whatever the model dtype)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.top_k, self.num_experts = config.num_experts_per_tok, config.n_routed_experts
+        self.n_group, self.topk_group = config.n_group, config.topk_group
+        self.norm_topk_prob, self.routed_scaling_factor = config.norm_topk_prob, config.routed_scaling_factor
+        if self.num_experts % self.n_group:
+            raise ContextParallelError(
+                f"n_routed_experts={self.num_experts} must be a multiple of n_group={self.n_group}"
+            )
+        self.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, k] fp32, experts [T, k])."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        if self.n_group > 1:
+            grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
+            best_groups = grouped.topk(2, dim=-1)[0].sum(-1).topk(self.topk_group, dim=-1, sorted=False)[1]
+            keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(self.num_experts // self.n_group, dim=1), -math.inf)
+        experts = choice.topk(self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, experts)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, experts
+
+
+class NemotronHExperts(nn.Module):
+    """Non-gated experts as stacked weights: up_proj [E, I, H_in], down_proj [E, H_in, I] (H_in is the latent
+    size when the MoE projects to one).
+
+    On CUDA bf16 with torch's grouped GEMM, tokens are sorted by expert and each projection is one grouped matmul;
+    elsewhere a loop over the experts that received tokens computes the same thing exactly. The routed sum is
+    accumulated in the routing weights' fp32, as transformers does.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts, inter = config.n_routed_experts, config.moe_intermediate_size
+        dim = config.moe_latent_size or config.hidden_size
+        self.up_proj = nn.Parameter(torch.empty(self.num_experts, inter, dim))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, dim, inter))
+        self.act_fn = _activation(config.mlp_hidden_act)
+
+    def _grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        flat = experts.reshape(-1)
+        order = flat.argsort(stable=True)
+        token = order // experts.size(1)
+        offsets = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
+        h = self.act_fn(F.grouped_mm(x[token], self.up_proj.transpose(1, 2), offs=offsets))
+        h = F.grouped_mm(h, self.down_proj.transpose(1, 2), offs=offsets) * weights.reshape(-1)[order, None]
+        return torch.zeros_like(x, dtype=weights.dtype).index_add_(0, token, h.to(weights.dtype)).to(x.dtype)
+
+    def _looped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x, dtype=weights.dtype)
+        for e in experts.unique().tolist():
+            token, slot = torch.where(experts == e)
+            h = F.linear(self.act_fn(F.linear(x[token], self.up_proj[e])), self.down_proj[e])
+            out.index_add_(0, token, (h * weights[token, slot, None]).to(out.dtype))
+        return out.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        grouped = x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm")
+        return (self._grouped if grouped else self._looped)(x, experts, weights)
+
+
+class NemotronHMoE(nn.Module):
+    """Routed experts (optionally through a latent projection) plus one always-on shared expert."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.experts = NemotronHExperts(config)
+        self.gate = NemotronHTopkRouter(config)
+        self.shared_experts = NemotronHMLP(config, config.moe_shared_expert_intermediate_size)
+        if config.moe_latent_size is not None:
+            self.fc1_latent_proj = nn.Linear(config.hidden_size, config.moe_latent_size, bias=config.mlp_bias)
+            self.fc2_latent_proj = nn.Linear(config.moe_latent_size, config.hidden_size, bias=config.mlp_bias)
+        else:
+            self.fc1_latent_proj = self.fc2_latent_proj = nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.gate(x)
+        routed = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(x), experts, weights))
+        return routed + self.shared_experts(x)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Model
+
+
+class NemotronHBlock(nn.Module):
+    """``x + mixer(RMSNorm(x))``. ``config.residual_in_fp32`` is not read: transformers' Nemotron-H ignores it
+    too (the residual stays in the model dtype)."""
+
+    def __init__(
+        self,
+        config,
+        layer_idx: int,
+        attention_backend: AttentionBackend,
+        recurrent_backend: RecurrentBackend,
+        mamba_cp_style: MambaCPStyle,
+    ):
+        super().__init__()
+        self.block_type = config.layers_block_type[layer_idx]
+        self.norm = NemotronHRMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        if self.block_type == MAMBA:
+            self.mixer = NemotronHMamba2Mixer(config, recurrent_backend, mamba_cp_style)
+        elif self.block_type == ATTENTION:
+            self.mixer = NemotronHAttention(config, attention_backend)
+        elif self.block_type == MLP:
+            self.mixer = NemotronHMLP(config)
+        elif self.block_type == MOE:
+            self.mixer = NemotronHMoE(config)
+        else:
+            raise ContextParallelError(f"unknown Nemotron-H block type {self.block_type!r} at layer {layer_idx}")
+
+    def forward(self, hidden: torch.Tensor, meta: PackedRowMetadata) -> torch.Tensor:
+        normed = self.norm(hidden.to(self.norm.weight.dtype))
+        if self.block_type in (MAMBA, ATTENTION):
+            return hidden + self.mixer(normed, meta)
+        return hidden + self.mixer(normed)
+
+
+class NemotronHModel(nn.Module):
+    def __init__(
+        self,
+        config,
+        attention_backend: AttentionBackend = "auto",
+        recurrent_backend: RecurrentBackend = "auto",
+        mamba_cp_style: MambaCPStyle = "state_passing",
+    ):
+        super().__init__()
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            NemotronHBlock(config, i, attention_backend, recurrent_backend, mamba_cp_style)
+            for i in range(len(config.layers_block_type))
+        )
+        self.norm_f = NemotronHRMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+
+    def forward(self, embeds: torch.Tensor, meta: PackedRowMetadata) -> torch.Tensor:
+        hidden = embeds
+        for layer in self.layers:
+            hidden = layer(hidden, meta)
+        return self.norm_f(hidden)
+
+
+class NemotronHForCausalLM(nn.Module):
+    """Nemotron-H causal LM over one packed row, with or without context parallelism.
+
+    ``forward(input_ids [T], seq_lens)``: ``input_ids`` are this rank's tokens (the whole row without CP),
+    ``seq_lens`` the row's global document lengths. With ``labels`` (this rank's targets, already aligned to
+    positions, < 0 to ignore) the output carries per-token log-probs computed without building [T, vocab] logits.
+    ``mamba_cp_style`` picks the Mamba-2 CP strategy of every Mamba layer (see the module docstring).
+
+    transformers' Nemotron-H never ties the LM head to the embeddings (whatever ``tie_word_embeddings`` says), and
+    neither does this model.
+    """
+
+    cp_topology: CPTopology = CPTopology.single()  # set once by set_context_parallel_attributes
+
+    def __init__(
+        self,
+        config,
+        attention_backend: AttentionBackend = "auto",
+        recurrent_backend: RecurrentBackend = "auto",
+        mamba_cp_style: MambaCPStyle = "state_passing",
+    ):
+        super().__init__()
+        config = load_nemotron_h_config(config)
+        self.config = config
+        self.mamba_cp_style = mamba_cp_style
+        self.model = NemotronHModel(config, attention_backend, recurrent_backend, mamba_cp_style)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """transformers' initialization: normal(0, initializer_range) for projections, convs, embeddings, the
+        router and the experts, zero biases; Mamba A = 1..H, D = 1, dt_bias = softplus^-1 of dt drawn log-uniform in
+        [time_step_min, time_step_max] (floored at time_step_floor); Mamba out_proj Kaiming-uniform scaled by
+        1/sqrt(layers) when rescale_prenorm_residual."""
+        config = self.config
+        std = config.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d)):
+                module.weight.normal_(0.0, std)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, NemotronHTopkRouter):
+                module.weight.normal_(0.0, std)
+                module.e_score_correction_bias.zero_()
+            elif isinstance(module, NemotronHExperts):
+                module.up_proj.normal_(0.0, std)
+                module.down_proj.normal_(0.0, std)
+        for module in self.modules():  # after the generic pass, which also visited the mixers' out_proj
+            if isinstance(module, NemotronHMamba2Mixer):
+                heads = module.num_heads
+                module.A_log.copy_(torch.log(torch.arange(1, heads + 1, dtype=torch.float32)))
+                module.D.fill_(1.0)
+                low, high = math.log(config.time_step_min), math.log(config.time_step_max)
+                dt = torch.exp(torch.rand(heads) * (high - low) + low).clamp(min=config.time_step_floor)
+                module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+                if config.rescale_prenorm_residual:
+                    nn.init.kaiming_uniform_(module.out_proj.weight, a=math.sqrt(5))
+                    module.out_proj.weight.div_(math.sqrt(len(config.layers_block_type)))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        seq_lens: Sequence[int] | torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        return_logits: bool | None = None,
+        loss_chunk_size: int | None = None,
+    ) -> CausalLMOutput:
+        """Same contract as :class:`cp_models.Qwen35ForCausalLM`. Nemotron-H has no positional encoding (its
+        attention has no rotary; order comes from the Mamba layers), so ``position_ids`` are only shape-checked."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ContextParallelError("pass exactly one of input_ids and inputs_embeds")
+        if input_ids is not None:
+            if input_ids.dim() == 2:
+                if input_ids.size(0) != 1:
+                    raise ContextParallelError(
+                        f"input_ids has batch size {input_ids.size(0)}; a packed row is one sequence (batch 1)"
+                    )
+                input_ids = input_ids[0]
+            embeds = self.model.embeddings(input_ids)
+        else:
+            embeds = inputs_embeds[0] if inputs_embeds.dim() == 3 else inputs_embeds
+        meta = build_row_metadata(seq_lens, embeds.size(0), self.cp_topology).to(embeds.device)
+        if position_ids is not None and position_ids.size(-1) != embeds.size(0):
+            raise ContextParallelError(
+                f"position_ids {tuple(position_ids.shape)} must end in this rank's {embeds.size(0)} tokens"
+            )
+        hidden = self.model(embeds, meta)
+        out = CausalLMOutput(hidden_states=hidden)
+        if labels is not None:
+            labels = labels[0] if labels.dim() == 2 else labels
+            chunk = loss_chunk_size or max(1, (1 << 28) // self.config.vocab_size)  # ~1 GiB of fp32 logits
+            out.token_log_probs = token_log_probs(hidden, self.lm_head.weight, labels, chunk)
+        if return_logits or (return_logits is None and labels is None):
+            out.logits = self.lm_head(hidden)
+        return out
+
+    # -- HF checkpoints --------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        dtype: torch.dtype | None = None,
+        attention_backend: AttentionBackend = "auto",
+        recurrent_backend: RecurrentBackend = "auto",
+        mamba_cp_style: MambaCPStyle = "state_passing",
+    ) -> NemotronHForCausalLM:
+        """Load a transformers (or original ``backbone.``-prefixed) Nemotron-H checkpoint folder (single or
+        sharded safetensors). Router weights stay fp32 whatever ``dtype`` is, as in transformers."""
+        config = load_nemotron_h_config(str(path))
+        with torch.device("meta"):
+            model = cls(config, attention_backend, recurrent_backend, mamba_cp_style)
+        state = hf_to_cp_state(read_safetensors(path), config)
+        expected = set(model.state_dict().keys())  # parameters and the routers' correction-bias buffers
+        missing, unexpected = expected - state.keys(), state.keys() - expected
+        if missing:
+            raise ContextParallelError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
+        if unexpected:
+            raise ContextParallelError(f"checkpoint {path} has unknown tensors, e.g. {sorted(unexpected)[:5]}")
+        # Cast before assigning, so that the routers' fp32 tensors never pass through a lower precision.
+        state = {n: _checkpoint_dtype(n, t, dtype) for n, t in state.items()}
+        model.load_state_dict(state, strict=True, assign=True)
+        return model
+
+    def save_pretrained(self, path: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """Write a checkpoint folder that transformers' NemotronHForCausalLM loads (its own on-disk layout).
+
+        ``state_dict``: the weights to write instead of this module's own (e.g. gathered from FSDP shards).
+        """
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.config.architectures = ["NemotronHForCausalLM"]
+        self.config.save_pretrained(path)
+        # Activation-checkpoint and compile wrappers add prefixes to their module's names; HF names have none.
+        state = self.state_dict() if state_dict is None else state_dict
+        state = {k.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""): v for k, v in state.items()}
+        write_safetensors(cp_to_hf_state(state, self.config), path)
+
+
+def _checkpoint_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """The dtype a loaded tensor takes: fp32 for the router (transformers keeps it fp32 strictly), ``dtype`` (when
+    given) for every other floating-point tensor."""
+    if name.endswith((".mixer.gate.weight", ".mixer.gate.e_score_correction_bias")):
+        return tensor.float()
+    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+
+
+def hf_to_cp_state(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """Checkpoint names -> ours: ``backbone.`` -> ``model.``, per-expert weights stacked, MTP weights dropped."""
+    state = strip_prefixes(state, [("backbone.", "model.")])
+    state = {n: t for n, t in state.items() if not n.startswith("mtp.")}
+    experts = config.n_routed_experts
+    for layer, kind in enumerate(config.layers_block_type):
+        if kind != MOE:
+            continue
+        prefix = f"model.layers.{layer}.mixer.experts."
+        names = [f"{prefix}{e}.{proj}.weight" for e in range(experts) for proj in ("up_proj", "down_proj")]
+        missing = [n for n in names if n not in state]
+        if len(missing) == len(names):  # stacked (as held in memory) or absent: checked by the caller
+            continue
+        if missing:
+            raise ContextParallelError(f"checkpoint lacks {len(missing)} per-expert tensors, e.g. {missing[:5]}")
+        for proj in ("up_proj", "down_proj"):
+            state[f"{prefix}{proj}"] = torch.stack([state.pop(f"{prefix}{e}.{proj}.weight") for e in range(experts)])
+    return state
+
+
+def cp_to_hf_state(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """Ours -> the layout transformers saves: ``backbone.`` prefix, one tensor per expert."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if name.startswith("model."):
+            name = "backbone." + name[len("model.") :]
+        if name.endswith(("mixer.experts.up_proj", "mixer.experts.down_proj")):
+            prefix, proj = name.rsplit(".", 1)
+            for e, w in enumerate(tensor):
+                out[f"{prefix}.{e}.{proj}.weight"] = w
+        else:
+            out[name] = tensor
+    return out
