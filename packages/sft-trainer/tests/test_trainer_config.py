@@ -65,6 +65,22 @@ MODEL_FILES = {
         "vision_config": {"depth": 1, "hidden_size": 32, "num_heads": 2, "out_hidden_size": 96},
     },
     "llama": {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4},
+    # Nemotron-H: 6 Mamba heads in 3 groups (a2a fits cp 1, 3 only), 4 query / 2 KV attention heads
+    "nemo6": {
+        "model_type": "nemotron_h",
+        "vocab_size": 128,
+        "hidden_size": 32,
+        "hybrid_override_pattern": "M*-",
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "mamba_num_heads": 6,
+        "mamba_head_dim": 4,
+        "n_groups": 3,
+        "ssm_state_size": 8,
+        "conv_kernel": 4,
+        "intermediate_size": 48,
+    },
     "not_json": "{ this is not json",
 }
 
@@ -139,7 +155,7 @@ INVALID = [
     (
         "unknown_nested_key_toml",
         {"parallel": {"tp": 2}},
-        ["unknown key 'parallel.tp'", "valid keys in [parallel]: dp, cp, cp_style, backend, local_workers"],
+        ["unknown key 'parallel.tp'", "valid keys in [parallel]: dp, cp, cp_style, fsdp, backend, local_workers"],
     ),
     (
         "unknown_nested_key_override",
@@ -157,7 +173,7 @@ INVALID = [
     (
         "bad_enum_cp_style",
         ["--parallel.cp_style", "ring"],
-        ["parallel.cp_style='ring'", "'ulysses', 'state_passing' or 'a2a'"],
+        ["parallel.cp_style='ring'", "'auto', 'ulysses', 'state_passing' or 'a2a'"],
     ),
     ("bad_enum_dtype", {"model": {"dtype": "fp16"}}, ["model.dtype='fp16'", "'float32' or 'bfloat16'"]),
     ("bad_enum_decay", ["--train.decay", "exp"], ["train.decay='exp'", "'cosine', 'linear' or 'constant'"]),
@@ -187,8 +203,38 @@ INVALID = [
         [
             "model.config=",
             "model_type='llama' is not supported",
-            "qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text",
+            "nemotron_h, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text",
         ],
+    ),
+    (
+        "nemotron_h_a2a_needs_cp_dividing_mamba_heads",
+        ["--model.config", "{nemo6}", "--parallel.cp", "4", "--parallel.cp_style", "a2a"],
+        [
+            "parallel.cp=4 with parallel.cp_style='a2a'",
+            "mamba_num_heads=6, n_groups=3",
+            "needs cp to divide the heads",
+            "cp_style='state_passing' (any cp)",
+        ],
+    ),
+    (
+        "nemotron_h_a2a_groups_must_split_or_replicate",
+        ["--model.config", "{nemo6}", "--parallel.cp", "2", "--parallel.cp_style", "a2a"],
+        ["mamba_num_heads=6, n_groups=3", "cp | groups or groups | cp", "cp=2, groups=3"],
+    ),
+    (
+        "nemotron_h_needs_a_mamba_style",
+        ["--model.config", "{nemo6}", "--parallel.cp_style", "ulysses"],
+        ["parallel.cp_style='ulysses'", "'linear_attention' (layers [0]", "'state_passing' or 'a2a'"],
+    ),
+    (
+        "nemotron_h_lora_targets_its_own_names",
+        ["--model.config", "{nemo6}", "--train.lora.enabled=true", "--train.lora.targets", "in_proj_qkv"],
+        ["['in_proj_qkv'] are not linear layers", "in_proj, out_proj"],
+    ),
+    (
+        "nemotron_h_conv_halo",
+        ["--model.config", "{nemo6}", "--data.seq_len", "4", "--parallel.cp", "2"],
+        ["data.seq_len=4", "Mamba conv_kernel-1=3"],
     ),
     (
         "layer_types_unsupported_under_style",
@@ -402,6 +448,14 @@ def test_every_field_documented_and_extra_forbidden():
 
 # --------------------------------------------------------------------------------------------------------
 # The tiny preset
+
+
+def test_nemotron_h_config_and_preset_resolve_their_style(model_files):
+    cfg = load_config(None, ["--model.config", model_files["nemo6"], "--parallel.cp", "2"])  # a2a could not: 3 groups
+    assert cfg.parallel.cp_style == "auto" and cfg.parallel.resolve_cp_style("nemotron_h") == "state_passing"
+    cfg = load_config(None, ["--model.preset", "tiny-nemotron_h", "--parallel.cp_style", "a2a", "--parallel.cp", "4"])
+    assert resolve_model_config(cfg.model).model_type == "nemotron_h"
+    assert load_config(None, []).parallel.resolve_cp_style("qwen3_5") == "ulysses"
 
 
 def test_tiny_preset_is_a_hybrid_that_runs():

@@ -14,11 +14,14 @@ import torch
 STEPS = 3
 
 
-def _train(out: Path, *overrides: str) -> list[dict]:
+def _train(out: Path, *overrides: str, torchrun_procs: int = 0) -> list[dict]:
+    launcher = ["-c", "from sft_trainer.run import main; main()"]
+    if torchrun_procs:  # torchrun sets RANK/WORLD_SIZE; sft-train then runs as one of its workers
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun_procs}"]
+        launcher += ["-m", "sft_trainer.run"]
     cmd = [
         sys.executable,
-        "-c",
-        "from sft_trainer.run import main; main()",
+        *launcher,
         "--output_dir",
         str(out),
         "--train.steps",
@@ -47,18 +50,29 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def cp1_run(tmp_path_factory):
+    """The reference: one process, a full replica (no FSDP), two rows accumulated per step (the shipped config)."""
     out = tmp_path_factory.mktemp("cp1")
-    return out, _train(out, "--parallel.cp", "1", "--parallel.dp", "1", "--checkpoint.export_hf", "true")
+    overrides = (
+        "--parallel.cp",
+        "1",
+        "--parallel.dp",
+        "1",
+        "--parallel.fsdp",
+        "false",
+        "--checkpoint.export_hf",
+        "true",
+    )
+    return out, _train(out, *overrides)
 
 
-def test_cp2_equals_cp1(cp1_run, tmp_path):
-    out1, metrics1 = cp1_run
-    metrics2 = _train(tmp_path, "--parallel.cp", "2", "--parallel.dp", "1", "--checkpoint.export_hf", "true")
+def _assert_same_run(run1: tuple[Path, list[dict]], run2: tuple[Path, list[dict]]) -> None:
+    (out1, metrics1), (out2, metrics2) = run1, run2
     losses1, losses2 = [m["loss"] for m in metrics1], [m["loss"] for m in metrics2]
     assert len(losses1) == len(losses2) == STEPS
     for a, b in zip(losses1, losses2, strict=True):
         assert abs(a - b) <= 1e-5 * abs(a), (losses1, losses2)
-    w1, w2 = _weights(out1), _weights(tmp_path)
+    assert [m["tokens"] for m in metrics1] == [m["tokens"] for m in metrics2]
+    w1, w2 = _weights(out1), _weights(out2)
     assert w1.keys() == w2.keys()
     # Per tensor in the L2 norm. Exception, measured: the GDN decay-gate parameters (in_proj_a, A_log, dt_bias).
     # At transformers' init (A up to 16) most decays underflow, so their true gradients are ~0 and their fp32
@@ -69,10 +83,27 @@ def test_cp2_equals_cp1(cp1_run, tmp_path):
     gates = ("linear_attn.in_proj_a.weight", "linear_attn.A_log", "linear_attn.dt_bias")
     diffs = {n: ((w1[n] - w2[n]).norm() / w1[n].norm().clamp_min(1e-12)).item() for n in w1}
     strict = {n: d for n, d in diffs.items() if not n.endswith(gates)}
-    assert len(strict) > len(diffs) - 10 and max(strict.values()) <= 1e-4, sorted(strict.items(), key=lambda x: -x[1])[
-        :5
-    ]
+    worst = sorted(strict.items(), key=lambda x: -x[1])[:5]
+    assert len(strict) > len(diffs) - 10 and max(strict.values()) <= 1e-4, worst
     assert max(diffs.values()) <= 5e-2, sorted(diffs.items(), key=lambda x: -x[1])[:5]
+
+
+def test_cp2_fsdp_equals_cp1(cp1_run, tmp_path):
+    """cp = 2 with FSDP2 sharding over both ranks equals the unsharded single-process replica."""
+    _assert_same_run(cp1_run, (tmp_path, _train(tmp_path, "--parallel.cp", "2", "--parallel.dp", "1")))
+
+
+def test_torchrun_launch_equals_cp1(cp1_run, tmp_path):
+    """Started by torchrun (2 processes, cp = 2, FSDP2) instead of spawning its own workers: same numbers."""
+    metrics = _train(tmp_path, "--parallel.cp", "2", "--checkpoint.export_hf", "true", torchrun_procs=2)
+    _assert_same_run(cp1_run, (tmp_path, metrics))
+
+
+def test_dp2_cp2_fsdp_equals_cp1_with_accumulation(cp1_run, tmp_path):
+    """dp = 2 replicas of cp = 2 (4 ranks, FSDP2 over all four), one row per replica and step, equals one process
+    accumulating the same two rows: the loss is the exact per-token mean over dp x cp."""
+    overrides = ("--parallel.cp", "2", "--parallel.dp", "2", "--train.grad_accum", "1")
+    _assert_same_run(cp1_run, (tmp_path, _train(tmp_path, *overrides)))
 
 
 def test_resume_reproduces_losses(tmp_path):
@@ -106,3 +137,42 @@ def test_loss_falls(tmp_path):
     metrics = _train(tmp_path, "--parallel.cp", "2", "--train.steps", "24", "--train.lr", "3e-3")
     losses = [m["loss"] for m in metrics]
     assert sum(losses[-4:]) / 4 < 0.8 * sum(losses[:4]) / 4, losses
+
+
+def test_wandb_offline_run_logs_config_and_every_step(tmp_path):
+    """With logging.wandb.enabled (offline, the default mode) rank 0 writes a wandb run holding the config and
+    every step's metrics next to the JSONL file (read back from the run file's serialized values)."""
+    pytest.importorskip("wandb")
+    out = tmp_path / "run"
+    metrics = _train(out, "--parallel.cp", "2", "--logging.wandb.enabled", "true", "--logging.wandb.project", "cptest")
+    runs = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1, runs
+    data = runs[0].read_bytes()
+    for key in ("loss", "tokens_per_s", "grad_norm", "seq_len", "cptest"):
+        assert key.encode() in data, key
+    for m in metrics:  # each step's values, as wandb serialized them (JSON numbers)
+        assert json.dumps(m["loss"]).encode() in data, m
+        assert json.dumps(m["grad_norm"]).encode() in data, m
+
+
+def test_nemotron_h_trains_under_both_mamba_strategies(tmp_path):
+    """The tiny Nemotron-H preset trains end to end: cp = 2 under state passing and under head-parallel a2a both
+    give the cp = 1 losses, and the HF export loads in transformers' NemotronHForCausalLM with our logits."""
+    from transformers import AutoModelForCausalLM
+
+    from cp_models import NemotronHForCausalLM
+
+    nemotron = ("--model.preset", "tiny-nemotron_h")
+    ref = _train(tmp_path / "cp1", *nemotron, "--parallel.cp", "1", "--parallel.fsdp", "false")
+    for style in ("state_passing", "a2a"):
+        got = _train(tmp_path / style, *nemotron, "--parallel.cp", "2", "--parallel.cp_style", style)
+        for a, b in zip([m["loss"] for m in ref], [m["loss"] for m in got], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(a), (style, ref, got)
+    assert ref[-1]["loss"] < ref[0]["loss"]
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "a2a" / "hf").eval()
+    assert type(hf).__name__ == "NemotronHForCausalLM"
+    ours = NemotronHForCausalLM.from_pretrained(tmp_path / "a2a" / "hf")
+    ids = torch.randint(0, hf.config.vocab_size, (24,))
+    with torch.no_grad():
+        ref_logits = hf(ids[None]).logits[0]
+        assert ((ours(ids, [24]).logits - ref_logits).abs().max() / ref_logits.abs().max()) < 1e-5

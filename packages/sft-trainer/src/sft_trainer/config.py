@@ -52,8 +52,10 @@ __all__ = [
     "check_config",
     "config_from_dict",
     "load_config",
+    "model_family",
     "parse_overrides",
     "resolve_model_config",
+    "tiny_nemotron_h_config",
     "tiny_qwen35_config",
 ]
 
@@ -63,30 +65,42 @@ DEFAULT_CONFIG = CONFIGS_DIR / "tiny_cpu.toml"
 SHIPPED_DATA = _PACKAGE_DIR / "assets" / "tiny_chat.jsonl"
 SHIPPED_TOKENIZER = _PACKAGE_DIR / "assets" / "tiny_tokenizer"
 
-# Which CP styles each Qwen3.5 layer type runs under. "ulysses": softmax attention by Ulysses all-to-all, GDN by
-# the conv halo and state passing. "state_passing" and "a2a" are the Mamba-2 strategies of Nemotron-H (later);
-# no Qwen3.5 layer runs under them.
-LAYER_CP_STYLES: dict[str, tuple[str, ...]] = {
-    "full_attention": ("ulysses",),
-    "linear_attention": ("ulysses",),
+# Which CP styles each layer type runs under, per model family (``parallel.cp_style``; "auto" picks the first
+# style of the family). Qwen3.5: "ulysses" = softmax attention by Ulysses all-to-all, GDN by the conv halo and
+# state passing. Nemotron-H: the style is the Mamba-2 strategy ("state_passing": conv halo + SSD state passing;
+# "a2a": head-parallel all-to-all); its attention layers run Ulysses under either, MLP/MoE layers need no CP.
+LAYER_CP_STYLES: dict[str, dict[str, tuple[str, ...]]] = {
+    "qwen3_5": {"full_attention": ("ulysses",), "linear_attention": ("ulysses",)},
+    "nemotron_h": {
+        "linear_attention": ("state_passing", "a2a"),
+        "full_attention": ("state_passing", "a2a"),
+        "mlp": ("state_passing", "a2a"),
+        "moe": ("state_passing", "a2a"),
+    },
 }
-# nn.Linear names of the Qwen3.5 models that LoRA may target.
-QWEN35_LINEAR_NAMES = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "in_proj_qkv",
-    "in_proj_z",
-    "in_proj_b",
-    "in_proj_a",
-    "out_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-    "shared_expert_gate",
-    "lm_head",
-)
+FAMILY_CP_STYLES = {"qwen3_5": ("ulysses",), "nemotron_h": ("state_passing", "a2a")}
+# nn.Linear names that LoRA may target, per model family.
+LINEAR_NAMES: dict[str, tuple[str, ...]] = {
+    "qwen3_5": (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "in_proj_qkv",
+        "in_proj_z",
+        "in_proj_b",
+        "in_proj_a",
+        "out_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "shared_expert_gate",
+        "lm_head",
+    ),
+    "nemotron_h": ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj", "up_proj", "down_proj", "lm_head"),
+}
+QWEN35_LINEAR_NAMES = LINEAR_NAMES["qwen3_5"]
+NEMOTRON_H_MODEL_TYPES = ("nemotron_h",)
 _VL_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
 
 
@@ -138,7 +152,45 @@ def tiny_qwen35_config(vocab_size: int = 1024):
     )
 
 
-PRESETS = {"tiny-qwen3_5": tiny_qwen35_config}
+def tiny_nemotron_h_config(vocab_size: int = 1024):
+    """The built-in tiny Nemotron-H (``model.preset = "tiny-nemotron_h"``): a transformers ``NemotronHConfig``.
+
+    Five layers "M*M-E" (Mamba-2, attention, Mamba-2, squared-ReLU MLP, MoE with 4 experts top-2 and a shared
+    expert), hidden size 64; Mamba 8 heads of dim 8, 2 B/C groups, state 16, conv kernel 4 (a2a splits the groups
+    at cp=2 and replicates them at cp=4 or 8); attention 4 query / 2 KV heads of dim 16.
+    """
+    from transformers import NemotronHConfig
+
+    return NemotronHConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        hybrid_override_pattern="M*M-E",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        mamba_num_heads=8,
+        mamba_head_dim=8,
+        n_groups=2,
+        ssm_state_size=16,
+        conv_kernel=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32,
+        max_position_embeddings=4096,
+        layer_norm_epsilon=1e-5,
+    )
+
+
+PRESETS = {"tiny-qwen3_5": tiny_qwen35_config, "tiny-nemotron_h": tiny_nemotron_h_config}
+
+
+def model_family(hf_config) -> str:
+    """``"nemotron_h"`` or ``"qwen3_5"`` (text, MoE or VL) for a transformers config."""
+    return "nemotron_h" if hf_config.model_type in NEMOTRON_H_MODEL_TYPES else "qwen3_5"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -162,13 +214,17 @@ class ModelConfig(_Section):
         description="A config.json (or a folder holding one) to build a randomly initialized model from; "
         "exclusive with `path`.",
     )
-    preset: Literal["tiny-qwen3_5"] | None = Field(
+    preset: Literal["tiny-qwen3_5", "tiny-nemotron_h"] | None = Field(
         "tiny-qwen3_5",
         description="Built-in model config, used when neither `path` nor `config` is set: 'tiny-qwen3_5' is a "
-        "4-layer hybrid (3 GDN + 1 attention) with the vocabulary of the tokenizer.",
+        "4-layer hybrid (3 GDN + 1 attention), 'tiny-nemotron_h' a 5-layer Nemotron-H (Mamba-2, attention, MLP, "
+        "MoE); both take the vocabulary of the tokenizer.",
     )
     dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="Parameter and compute dtype ('bfloat16' on GPUs, 'float32' for CPU runs)."
+        "float32",
+        description="Compute dtype ('bfloat16' on GPUs, 'float32' for CPU runs). With parallel.fsdp the sharded "
+        "master weights, gradient reduction and optimizer state stay float32 (mixed precision); without it the "
+        "whole model is cast.",
     )
     attention_backend: Literal["auto", "torch", "varlen", "flash_attn"] = Field(
         "auto", description="Softmax attention kernel (cp_core.AttentionBackend); 'auto' picks the fastest available."
@@ -181,7 +237,11 @@ class ModelConfig(_Section):
     activation_checkpointing: bool = Field(
         False, description="Recompute each decoder layer in backward instead of keeping its activations."
     )
-    compile: bool = Field(False, description="torch.compile each decoder layer.")
+    compile: bool = Field(
+        False,
+        description="torch.compile the collective-free parts of each decoder layer (norms, MLP/MoE, the token "
+        "mixer's output norm); token mixers with all-to-alls and halos stay eager.",
+    )
 
 
 class DataConfig(_Section):
@@ -216,10 +276,17 @@ class ParallelConfig(_Section):
         description="Data-parallel replicas; -1 = all remaining ranks (world size / cp). Each replica packs its rows.",
     )
     cp: int = Field(1, ge=1, description="Context-parallel ranks per replica; each holds seq_len / cp tokens of a row.")
-    cp_style: Literal["ulysses", "state_passing", "a2a"] = Field(
-        "ulysses",
-        description="CP strategy: 'ulysses' = all-to-all attention, conv halo + state passing for GDN (all Qwen3.5 "
-        "layers); 'state_passing' / 'a2a' are the Mamba-2 strategies (Nemotron-H, later).",
+    cp_style: Literal["auto", "ulysses", "state_passing", "a2a"] = Field(
+        "auto",
+        description="CP strategy. Qwen3.5: 'ulysses' (all-to-all attention, conv halo + state passing for GDN). "
+        "Nemotron-H, the strategy of its Mamba-2 layers: 'state_passing' (conv halo + SSD state passing, any cp) or "
+        "'a2a' (head-parallel all-to-all, needs cp | Mamba heads); its attention runs Ulysses either way. 'auto': "
+        "'ulysses' for Qwen3.5, 'state_passing' for Nemotron-H.",
+    )
+    fsdp: bool = Field(
+        True,
+        description="Shard parameters, gradients and optimizer state with FSDP2 over all dp x cp ranks (gradients "
+        "summed by reduce-scatter); false keeps a full replica per rank and all-reduces gradients.",
     )
     backend: Literal["gloo", "nccl", "auto"] = Field(
         "auto", description="torch.distributed backend; 'auto' = nccl when CUDA is available, else gloo."
@@ -237,6 +304,10 @@ class ParallelConfig(_Section):
         if value < 1 and value != -1:
             raise ValueError("must be >= 1, or -1 for all remaining ranks")
         return value
+
+    def resolve_cp_style(self, family: str) -> str:
+        """The CP style for a model family ("qwen3_5" or "nemotron_h"), resolving "auto"."""
+        return FAMILY_CP_STYLES[family][0] if self.cp_style == "auto" else self.cp_style
 
     @property
     def num_local_workers(self) -> int:
@@ -558,8 +629,9 @@ def resolve_model_config(model: ModelConfig, vocab_size: int | None = None):
     Raises :class:`ConfigError` naming the field when the file is missing, unreadable or of an unsupported
     model type.
     """
-    from cp_models.qwen3_5 import SUPPORTED_MODEL_TYPES
+    from cp_models.qwen3_5 import SUPPORTED_MODEL_TYPES as QWEN35_MODEL_TYPES
 
+    supported_types = (*QWEN35_MODEL_TYPES, *NEMOTRON_H_MODEL_TYPES)
     source = _model_source(model)
     if model.path is not None and model.config is not None:
         raise ConfigError(
@@ -584,10 +656,10 @@ def resolve_model_config(model: ModelConfig, vocab_size: int | None = None):
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: {file} is not a JSON object")
     model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in supported_types:
         raise ConfigError(
             f"{source}: model_type={model_type!r} is not supported; supported model types: "
-            f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
+            f"{', '.join(sorted(supported_types))}"
         )
     from transformers import CONFIG_MAPPING
 
@@ -599,7 +671,6 @@ def resolve_model_config(model: ModelConfig, vocab_size: int | None = None):
 
 def _check_model(cfg: TrainConfig) -> list[str]:
     from cp_core import ContextParallelError, check_ulysses_heads
-    from cp_models import load_text_config
 
     try:
         hf = resolve_model_config(cfg.model)
@@ -607,31 +678,44 @@ def _check_model(cfg: TrainConfig) -> list[str]:
         return exc.problems
     source = _model_source(cfg.model)
     par, problems = cfg.parallel, []
+    family = model_family(hf)
+    style = par.resolve_cp_style(family)
 
     is_vl = hf.model_type in _VL_MODEL_TYPES or getattr(hf, "vision_config", None) is not None
-    if is_vl and par.cp_style != "ulysses":
+    if is_vl and style != "ulysses":
         problems.append(
             f"parallel.cp_style={par.cp_style!r}: {source} is a vision-language config (model_type "
             f"{hf.model_type!r}, has vision_config), which requires cp_style='ulysses'"
         )
-    text = load_text_config(hf)
+    if family == "nemotron_h":
+        text = hf
+        layer_types = list(text.layers_block_type)
+        conv_width, conv_name = text.conv_kernel, "Mamba conv_kernel"
+    else:
+        from cp_models import load_text_config
+
+        text = load_text_config(hf)
+        layer_types = list(text.layer_types[: text.num_hidden_layers])
+        conv_width, conv_name = text.linear_conv_kernel_dim, "GDN conv halo needs linear_conv_kernel_dim"
 
     layers: dict[str, list[int]] = {}
-    for i, layer_type in enumerate(text.layer_types[: text.num_hidden_layers]):
+    for i, layer_type in enumerate(layer_types):
         layers.setdefault(layer_type, []).append(i)
+    supported = LAYER_CP_STYLES[family]
     unstyled = []
     for layer_type, idx in layers.items():
-        styles = LAYER_CP_STYLES.get(layer_type)
+        styles = supported.get(layer_type)
         if styles is None:
             problems.append(
                 f"{source}: layer type {layer_type!r} (layers {idx}) is not supported; supported layer types: "
-                f"{', '.join(LAYER_CP_STYLES)}"
+                f"{', '.join(supported)}"
             )
-        elif par.cp_style not in styles:
+        elif style not in styles:
             unstyled.append(f"{layer_type!r} (layers {idx}; runs under cp_style {' or '.join(map(repr, styles))})")
     if unstyled:
         problems.append(
-            f"parallel.cp_style={par.cp_style!r} does not support the layer types of {source}: {', '.join(unstyled)}"
+            f"parallel.cp_style={par.cp_style!r} does not support the layer types of {source} "
+            f"({hf.model_type}): {', '.join(unstyled)}"
         )
 
     if "full_attention" in layers:
@@ -643,27 +727,40 @@ def _check_model(cfg: TrainConfig) -> list[str]:
                 f"parallel.cp={par.cp} vs the attention heads of {source} (num_attention_heads={q}, "
                 f"num_key_value_heads={kv}): {exc}"
             )
-    if "linear_attention" in layers:
+    if family == "qwen3_5" and "linear_attention" in layers:
         k_heads, v_heads = text.linear_num_key_heads, text.linear_num_value_heads
         if v_heads % k_heads:
             problems.append(
                 f"{source}: linear_num_value_heads={v_heads} must be a multiple of linear_num_key_heads={k_heads}"
             )
-        halo = text.linear_conv_kernel_dim - 1
+    if family == "nemotron_h" and "linear_attention" in layers and style == "a2a":
+        from cp_core.head_parallel import check_head_parallel
+
+        heads, groups = text.mamba_num_heads, text.n_groups
+        try:
+            check_head_parallel(heads, groups, par.cp, what="Mamba-2 head-parallel (a2a) CP")
+        except ContextParallelError as exc:
+            problems.append(
+                f"parallel.cp={par.cp} with parallel.cp_style='a2a' vs the Mamba heads of {source} "
+                f"(mamba_num_heads={heads}, n_groups={groups}): {exc}; or use cp_style='state_passing' (any cp)"
+            )
+    if "linear_attention" in layers and not (family == "nemotron_h" and style == "a2a"):
+        halo = conv_width - 1
         if par.cp > 1 and cfg.data.seq_len // par.cp < halo:
             problems.append(
                 f"data.seq_len={cfg.data.seq_len} is too short for parallel.cp={par.cp}: each CP shard holds "
-                f"seq_len/cp={cfg.data.seq_len // par.cp} tokens but the GDN conv halo needs "
-                f"linear_conv_kernel_dim-1={halo} (seq_len >= cp * {halo} = {par.cp * halo})"
+                f"seq_len/cp={cfg.data.seq_len // par.cp} tokens but the {conv_name}-1={halo} "
+                f"(seq_len >= cp * {halo} = {par.cp * halo})"
             )
 
     lora = cfg.train.lora
     if lora.enabled:
-        unknown = [t for t in lora.targets if t not in QWEN35_LINEAR_NAMES]
+        names = LINEAR_NAMES[family]
+        unknown = [t for t in lora.targets if t not in names]
         if unknown:
             problems.append(
                 f"train.lora.targets={lora.targets!r}: {unknown} are not linear layers of {source}; choose from "
-                f"{', '.join(QWEN35_LINEAR_NAMES)}"
+                f"{', '.join(names)}"
             )
     return problems
 

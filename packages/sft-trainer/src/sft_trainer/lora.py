@@ -64,3 +64,28 @@ def merge_lora(model: nn.Module, keep_base: bool = False) -> nn.Module:
             if isinstance(child, LoRALinear):
                 setattr(parent, name, child.base if keep_base else child.merged())
     return model
+
+
+@torch.no_grad()
+def split_lora_state(
+    state: dict[str, torch.Tensor], scale: float, merge: bool
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A full model state dict with adapters -> (plain state dict, adapter tensors).
+
+    The plain state has each adapted layer under its original name: ``W + scale * B A`` with ``merge``, else the
+    untouched base ``W``. Works on gathered (FSDP) state dicts, where the modules themselves hold only shards.
+    """
+    adapters = {n: t for n, t in state.items() if n.endswith((".lora_A", ".lora_B"))}
+    adapted = {n[: -len(".lora_A")] for n in adapters if n.endswith(".lora_A")}
+    plain = {}
+    for name, tensor in state.items():
+        if name in adapters:
+            continue
+        layer, _, leaf = name.rpartition(".base.")
+        plain[f"{layer}.{leaf}" if layer in adapted else name] = tensor
+    if merge:
+        for layer in adapted:
+            lora_a, lora_b = adapters[layer + ".lora_A"], adapters[layer + ".lora_B"]
+            weight = plain[layer + ".weight"]
+            plain[layer + ".weight"] = (weight.float() + scale * (lora_b.float() @ lora_a.float())).to(weight.dtype)
+    return plain, adapters

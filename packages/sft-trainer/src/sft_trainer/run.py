@@ -67,20 +67,45 @@ def _device_and_backend(cfg) -> tuple[torch.device, str]:
     return torch.device("cpu"), backend
 
 
-def build_model(cfg, vocab_size: int, device: torch.device):
-    from cp_models import Qwen35ForCausalLM, apply_activation_checkpointing
-    from sft_trainer.config import resolve_model_config
+def build_model(cfg, vocab_size: int, device: torch.device, mesh, topology: CPTopology):
+    """The model, ready to train: built (or loaded), activation checkpointing, CP topology, LoRA, compile, FSDP2."""
+    from cp_models import (
+        NemotronHForCausalLM,
+        Qwen35ForCausalLM,
+        apply_activation_checkpointing,
+        set_context_parallel_attributes,
+    )
+    from sft_trainer.config import model_family, resolve_model_config
+    from sft_trainer.parallelize import apply_compile, apply_fsdp
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
+    compute_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
+    # FSDP keeps fp32 master weights and casts the gathered parameters; replicas are cast as a whole.
+    storage_dtype = torch.float32 if cfg.parallel.fsdp else compute_dtype
+    hf_config = resolve_model_config(cfg.model, vocab_size=vocab_size)
+    family = model_family(hf_config)
     kwargs = dict(attention_backend=cfg.model.attention_backend, recurrent_backend=cfg.model.recurrent_backend)
+    model_class = Qwen35ForCausalLM
+    if family == "nemotron_h":
+        model_class, kwargs["mamba_cp_style"] = NemotronHForCausalLM, cfg.parallel.resolve_cp_style(family)
     if cfg.model.path:
-        model = Qwen35ForCausalLM.from_pretrained(cfg.model.path, dtype=dtype, **kwargs)
+        model = model_class.from_pretrained(cfg.model.path, dtype=storage_dtype, **kwargs)
     else:  # random init from a config file or the preset (the preset takes the tokenizer's vocabulary)
         torch.manual_seed(cfg.train.seed)
-        model = Qwen35ForCausalLM(resolve_model_config(cfg.model, vocab_size=vocab_size), **kwargs).to(dtype)
+        model = model_class(hf_config, **kwargs).to(storage_dtype)
     if cfg.model.activation_checkpointing:
         apply_activation_checkpointing(model)
-    return model.to(device)
+    set_context_parallel_attributes(model, topology.group, topology.rank, topology.size)
+    if cfg.train.lora.enabled:
+        from sft_trainer.lora import apply_lora
+
+        lora = cfg.train.lora
+        apply_lora(model, lora.targets, lora.rank, lora.alpha, lora.dropout)
+    model = model.to(device)
+    if cfg.model.compile:
+        apply_compile(model)
+    if cfg.parallel.fsdp:
+        apply_fsdp(model, mesh, param_dtype=compute_dtype if compute_dtype != storage_dtype else None)
+    return model
 
 
 def _memory_gib(device: torch.device) -> float:
@@ -93,7 +118,6 @@ def worker(cfg) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoTokenizer
 
-    from cp_models import set_context_parallel_attributes
     from sft_trainer.data import build_training_rows
 
     device, backend = _device_and_backend(cfg)
@@ -106,13 +130,7 @@ def worker(cfg) -> dict[str, Any]:
         dp_group = mesh.get_group("dp")
         world_group = dist.group.WORLD
         tokenizer = AutoTokenizer.from_pretrained(cfg.data.tokenizer)
-        model = build_model(cfg, len(tokenizer), device)
-        set_context_parallel_attributes(model, topology.group, topology.rank, topology.size)
-        if cfg.train.lora.enabled:
-            from sft_trainer.lora import apply_lora
-
-            lora = cfg.train.lora
-            apply_lora(model, lora.targets, lora.rank, lora.alpha, lora.dropout)
+        model = build_model(cfg, len(tokenizer), device, mesh, topology)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(
             params, lr=cfg.train.lr, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay
@@ -143,7 +161,16 @@ def worker(cfg) -> dict[str, Any]:
             batch = [my_rows[(step * per_step + i) % len(my_rows)] for i in range(per_step)]
             started = time.perf_counter()
             loss, tokens, grad_norm, skipped = train_step(
-                model, optimizer, scheduler, batch, topology, dp_group, world_group, cfg.train.max_grad_norm, device
+                model,
+                optimizer,
+                scheduler,
+                batch,
+                topology,
+                dp_group,
+                world_group,
+                cfg.train.max_grad_norm,
+                device,
+                sharded=cfg.parallel.fsdp,
             )
             seconds = time.perf_counter() - started
             losses.append(loss)
@@ -173,8 +200,8 @@ def worker(cfg) -> dict[str, Any]:
         export_dir = None
         if cfg.checkpoint.export_hf:
             export_dir = out_dir / "hf"
+            export_model(cfg, model, export_dir)  # collective: gathers the full weights onto rank 0
             if rank == 0:
-                export_model(cfg, model, export_dir)
                 tokenizer.save_pretrained(export_dir)
             dist.barrier()
         if rank == 0:
@@ -190,27 +217,27 @@ def worker(cfg) -> dict[str, Any]:
 
 
 def export_model(cfg, model, export_dir: Path) -> None:
-    """HF checkpoint of the trained model; with LoRA, merged into the base weights (``checkpoint.merge_lora``) or
-    the base checkpoint plus ``lora_adapters.safetensors`` (adapter tensors by module name). Runs after the final
-    checkpoint: it replaces the adapters in place (the model holds process groups, so it is not deep-copied)."""
-    from sft_trainer.lora import LoRALinear, merge_lora
+    """HF checkpoint of the trained model, written by rank 0 (every rank must call: the full weights are gathered).
 
-    if not cfg.train.lora.enabled:
-        model.save_pretrained(export_dir)
-        return
-    if cfg.checkpoint.merge_lora:
-        merge_lora(model).save_pretrained(export_dir)
-        return
-    from safetensors.torch import save_file
+    With LoRA, the adapters are merged into the base weights (``checkpoint.merge_lora``), or the base checkpoint
+    is written plus ``lora_adapters.safetensors`` (adapter tensors by module name).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    adapters = {
-        f"{name}.{part}": getattr(module, part).detach().cpu().contiguous()
-        for name, module in model.named_modules()
-        if isinstance(module, LoRALinear)
-        for part in ("lora_A", "lora_B")
-    }
-    merge_lora(model, keep_base=True).save_pretrained(export_dir)
-    save_file(adapters, str(Path(export_dir) / "lora_adapters.safetensors"))
+    from sft_trainer.lora import split_lora_state
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return
+    adapters = {}
+    if cfg.train.lora.enabled:
+        lora = cfg.train.lora
+        state, adapters = split_lora_state(state, lora.alpha / lora.rank, merge=cfg.checkpoint.merge_lora)
+    model.save_pretrained(export_dir, state_dict=state)
+    if adapters and not cfg.checkpoint.merge_lora:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in adapters.items()}, str(Path(export_dir) / "lora_adapters.safetensors"))
 
 
 def save_checkpoint(ckpt_dir: Path, step: int, model, optimizer, scheduler) -> None:

@@ -2,8 +2,8 @@
 
 Gradients: every rank computes the gradient of the *global* loss restricted to its tokens (its shard's summed
 token losses divided by the token count all-reduced over dp x cp before backward), so the exact gradient is the
-sum over all ranks: every rank holds a full replica and the gradients are all-reduced (summed) over dp x cp.
-(FSDP2 sharding over the flattened dp x cp mesh, with a summing reduce-scatter, is the next step.)
+sum over all ranks. Under FSDP2 (sft_trainer.parallelize.apply_fsdp) the summing reduce-scatter over dp x cp does
+that in backward; with full replicas the gradients are all-reduced (summed) over dp x cp after backward.
 """
 
 from __future__ import annotations
@@ -77,8 +77,11 @@ def train_step(
     world_group: dist.ProcessGroup | None,
     max_grad_norm: float,
     device: torch.device,
+    sharded: bool = False,
 ) -> tuple[float, int, float, bool]:
     """One optimizer step over ``rows`` (the grad-accumulation micro-batches of this dp replica).
+
+    ``sharded``: the model is FSDP2-sharded and its backward already summed the gradients over the world.
 
     Returns (global mean token loss, global loss tokens, grad norm, skipped). A non-finite loss or gradient on
     any rank skips the step on every rank.
@@ -93,7 +96,8 @@ def train_step(
         local = -out.token_log_probs.sum()
         (local / max(tokens, 1)).backward()
         loss_sum += local.detach().double()
-    reduce_gradients(params, world_group)
+    if not sharded:
+        reduce_gradients(params, world_group)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     if world_group is not None:
