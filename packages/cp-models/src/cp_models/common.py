@@ -273,6 +273,49 @@ class CausalLMOutput:
     """log p(label) per token (fp32, 0 where label < 0), when labels are given."""
 
 
+def embed_row(
+    embed_tokens: nn.Embedding, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None
+) -> torch.Tensor:
+    """This rank's embeddings [T, H] from ``input_ids`` ([T] or [1, T]) or ``inputs_embeds`` ([T, H] or [1, T, H])."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ContextParallelError("pass exactly one of input_ids and inputs_embeds")
+    if input_ids is None:
+        return inputs_embeds[0] if inputs_embeds.dim() == 3 else inputs_embeds
+    if input_ids.dim() == 2:
+        if input_ids.size(0) != 1:
+            raise ContextParallelError(
+                f"input_ids has batch size {input_ids.size(0)}; a packed row is one sequence (batch 1)"
+            )
+        input_ids = input_ids[0]
+    return embed_tokens(input_ids)
+
+
+def check_position_ids(position_ids: torch.Tensor | None, num_tokens: int) -> None:
+    if position_ids is not None and position_ids.size(-1) != num_tokens:
+        raise ContextParallelError(
+            f"position_ids {tuple(position_ids.shape)} must end in this rank's {num_tokens} tokens"
+        )
+
+
+def causal_lm_output(
+    hidden: torch.Tensor,
+    lm_head: nn.Linear,
+    labels: torch.Tensor | None,
+    return_logits: bool | None,
+    loss_chunk_size: int | None,
+) -> CausalLMOutput:
+    """The output of a causal LM's forward: per-token log-probs when ``labels`` are given (chunks of about 1 GiB of
+    fp32 logits unless ``loss_chunk_size``), logits when asked for (by default only without labels)."""
+    out = CausalLMOutput(hidden_states=hidden)
+    if labels is not None:
+        labels = labels[0] if labels.dim() == 2 else labels
+        chunk = loss_chunk_size or max(1, (1 << 28) // lm_head.out_features)
+        out.token_log_probs = token_log_probs(hidden, lm_head.weight, labels, chunk)
+    if return_logits or (return_logits is None and labels is None):
+        out.logits = lm_head(hidden)
+    return out
+
+
 def strip_prefixes(state: Mapping[str, torch.Tensor], prefixes: Iterable[tuple[str, str]]) -> dict[str, torch.Tensor]:
     out = {}
     for name, tensor in state.items():

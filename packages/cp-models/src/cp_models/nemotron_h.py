@@ -49,9 +49,11 @@ from cp_models.common import (
     ContextParallelModule,
     GatedRMSNorm,
     build_row_metadata,
+    causal_lm_output,
+    check_position_ids,
+    embed_row,
     read_safetensors,
     strip_prefixes,
-    token_log_probs,
     write_safetensors,
 )
 
@@ -541,32 +543,11 @@ class NemotronHForCausalLM(nn.Module):
     ) -> CausalLMOutput:
         """Same contract as :class:`cp_models.Qwen35ForCausalLM`. Nemotron-H has no positional encoding (its
         attention has no rotary; order comes from the Mamba layers), so ``position_ids`` are only shape-checked."""
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ContextParallelError("pass exactly one of input_ids and inputs_embeds")
-        if input_ids is not None:
-            if input_ids.dim() == 2:
-                if input_ids.size(0) != 1:
-                    raise ContextParallelError(
-                        f"input_ids has batch size {input_ids.size(0)}; a packed row is one sequence (batch 1)"
-                    )
-                input_ids = input_ids[0]
-            embeds = self.model.embeddings(input_ids)
-        else:
-            embeds = inputs_embeds[0] if inputs_embeds.dim() == 3 else inputs_embeds
+        embeds = embed_row(self.model.embeddings, input_ids, inputs_embeds)
         meta = build_row_metadata(seq_lens, embeds.size(0), self.cp_topology).to(embeds.device)
-        if position_ids is not None and position_ids.size(-1) != embeds.size(0):
-            raise ContextParallelError(
-                f"position_ids {tuple(position_ids.shape)} must end in this rank's {embeds.size(0)} tokens"
-            )
+        check_position_ids(position_ids, embeds.size(0))
         hidden = self.model(embeds, meta)
-        out = CausalLMOutput(hidden_states=hidden)
-        if labels is not None:
-            labels = labels[0] if labels.dim() == 2 else labels
-            chunk = loss_chunk_size or max(1, (1 << 28) // self.config.vocab_size)  # ~1 GiB of fp32 logits
-            out.token_log_probs = token_log_probs(hidden, self.lm_head.weight, labels, chunk)
-        if return_logits or (return_logits is None and labels is None):
-            out.logits = self.lm_head(hidden)
-        return out
+        return causal_lm_output(hidden, self.lm_head, labels, return_logits, loss_chunk_size)
 
     # -- HF checkpoints --------------------------------------------------------------------------------------
 

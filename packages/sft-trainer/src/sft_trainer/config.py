@@ -79,7 +79,8 @@ LAYER_CP_STYLES: dict[str, dict[str, tuple[str, ...]]] = {
     },
 }
 FAMILY_CP_STYLES = {"qwen3_5": ("ulysses",), "nemotron_h": ("state_passing", "a2a")}
-# nn.Linear names that LoRA may target, per model family.
+# nn.Linear names that LoRA may target, per model family (not lm_head: the chunked loss reads its weight directly,
+# and it is often tied to the embeddings).
 LINEAR_NAMES: dict[str, tuple[str, ...]] = {
     "qwen3_5": (
         "q_proj",
@@ -95,9 +96,8 @@ LINEAR_NAMES: dict[str, tuple[str, ...]] = {
         "up_proj",
         "down_proj",
         "shared_expert_gate",
-        "lm_head",
     ),
-    "nemotron_h": ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj", "up_proj", "down_proj", "lm_head"),
+    "nemotron_h": ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj", "up_proj", "down_proj"),
 }
 QWEN35_LINEAR_NAMES = LINEAR_NAMES["qwen3_5"]
 NEMOTRON_H_MODEL_TYPES = ("nemotron_h",)
