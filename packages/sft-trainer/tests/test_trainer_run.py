@@ -88,15 +88,23 @@ def _assert_same_run(run1: tuple[Path, list[dict]], run2: tuple[Path, list[dict]
     assert max(diffs.values()) <= 5e-2, sorted(diffs.items(), key=lambda x: -x[1])[:5]
 
 
-def test_cp2_fsdp_equals_cp1(cp1_run, tmp_path):
-    """cp = 2 with FSDP2 sharding over both ranks equals the unsharded single-process replica."""
-    _assert_same_run(cp1_run, (tmp_path, _train(tmp_path, "--parallel.cp", "2", "--parallel.dp", "1")))
-
-
-def test_torchrun_launch_equals_cp1(cp1_run, tmp_path):
-    """Started by torchrun (2 processes, cp = 2, FSDP2) instead of spawning its own workers: same numbers."""
-    metrics = _train(tmp_path, "--parallel.cp", "2", "--checkpoint.export_hf", "true", torchrun_procs=2)
+def test_torchrun_cp2_fsdp_equals_cp1_and_logs_to_wandb(cp1_run, tmp_path):
+    """Started by torchrun (2 processes) instead of spawning its own workers: cp = 2 with FSDP2 sharding over both
+    ranks gives the unsharded single process's numbers. With logging.wandb.enabled (offline, the default mode)
+    rank 0 also writes a wandb run holding the config and every step's metrics (read back from the run file's
+    serialized values)."""
+    pytest.importorskip("wandb")
+    wandb = ("--logging.wandb.enabled", "true", "--logging.wandb.project", "cptest")
+    metrics = _train(tmp_path, "--parallel.cp", "2", "--checkpoint.export_hf", "true", *wandb, torchrun_procs=2)
     _assert_same_run(cp1_run, (tmp_path, metrics))
+    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1, runs
+    data = runs[0].read_bytes()
+    for key in ("loss", "tokens_per_s", "grad_norm", "seq_len", "cptest"):
+        assert key.encode() in data, key
+    for m in metrics:  # each step's values, as wandb serialized them (JSON numbers)
+        assert json.dumps(m["loss"]).encode() in data, m
+        assert json.dumps(m["grad_norm"]).encode() in data, m
 
 
 def test_dp2_cp2_fsdp_equals_cp1_with_accumulation(cp1_run, tmp_path):
@@ -137,22 +145,6 @@ def test_loss_falls(tmp_path):
     metrics = _train(tmp_path, "--parallel.cp", "2", "--train.steps", "24", "--train.lr", "3e-3")
     losses = [m["loss"] for m in metrics]
     assert sum(losses[-4:]) / 4 < 0.8 * sum(losses[:4]) / 4, losses
-
-
-def test_wandb_offline_run_logs_config_and_every_step(tmp_path):
-    """With logging.wandb.enabled (offline, the default mode) rank 0 writes a wandb run holding the config and
-    every step's metrics next to the JSONL file (read back from the run file's serialized values)."""
-    pytest.importorskip("wandb")
-    out = tmp_path / "run"
-    metrics = _train(out, "--parallel.cp", "2", "--logging.wandb.enabled", "true", "--logging.wandb.project", "cptest")
-    runs = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert len(runs) == 1, runs
-    data = runs[0].read_bytes()
-    for key in ("loss", "tokens_per_s", "grad_norm", "seq_len", "cptest"):
-        assert key.encode() in data, key
-    for m in metrics:  # each step's values, as wandb serialized them (JSON numbers)
-        assert json.dumps(m["loss"]).encode() in data, m
-        assert json.dumps(m["grad_norm"]).encode() in data, m
 
 
 def test_nemotron_h_trains_under_both_mamba_strategies(tmp_path):
