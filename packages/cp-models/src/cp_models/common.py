@@ -316,6 +316,11 @@ def causal_lm_output(
     return out
 
 
+def unwrapped_names(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with the name parts that activation-checkpoint and compile wrappers add removed (HF names)."""
+    return {k.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""): v for k, v in state.items()}
+
+
 def strip_prefixes(state: Mapping[str, torch.Tensor], prefixes: Iterable[tuple[str, str]]) -> dict[str, torch.Tensor]:
     out = {}
     for name, tensor in state.items():

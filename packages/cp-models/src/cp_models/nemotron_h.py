@@ -54,6 +54,7 @@ from cp_models.common import (
     embed_row,
     read_safetensors,
     strip_prefixes,
+    unwrapped_names,
     write_safetensors,
 )
 
@@ -587,9 +588,7 @@ class NemotronHForCausalLM(nn.Module):
         path.mkdir(parents=True, exist_ok=True)
         self.config.architectures = ["NemotronHForCausalLM"]
         self.config.save_pretrained(path)
-        # Activation-checkpoint and compile wrappers add prefixes to their module's names; HF names have none.
-        state = self.state_dict() if state_dict is None else state_dict
-        state = {k.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""): v for k, v in state.items()}
+        state = unwrapped_names(self.state_dict() if state_dict is None else state_dict)
         write_safetensors(cp_to_hf_state(state, self.config), path)
 
 

@@ -40,6 +40,7 @@ from cp_models.common import (
     embed_row,
     read_safetensors,
     strip_prefixes,
+    unwrapped_names,
     write_safetensors,
 )
 
@@ -431,9 +432,7 @@ class Qwen35ForCausalLM(nn.Module):
         config = self.config
         config.architectures = ["Qwen3_5MoeForCausalLM" if getattr(config, "num_experts", 0) else "Qwen3_5ForCausalLM"]
         config.save_pretrained(path)
-        # Activation-checkpoint and compile wrappers add prefixes to their module's names; HF names have none.
-        state = self.state_dict() if state_dict is None else state_dict
-        state = {k.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""): v for k, v in state.items()}
+        state = unwrapped_names(self.state_dict() if state_dict is None else state_dict)
         write_safetensors(cp_to_hf_state(state, config), path)
 
 

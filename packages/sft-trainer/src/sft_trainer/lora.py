@@ -9,6 +9,11 @@ import torch
 import torch.nn as nn
 
 
+def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
+    """``W + scale * B A``, computed in fp32 and returned in ``W``'s dtype."""
+    return (weight.float() + scale * (lora_b.float() @ lora_a.float())).to(weight.dtype)
+
+
 class LoRALinear(nn.Module):
     """A frozen ``nn.Linear`` plus a trainable low-rank update. ``merged()`` returns the equivalent plain Linear."""
 
@@ -33,7 +38,7 @@ class LoRALinear(nn.Module):
     def merged(self) -> nn.Linear:
         out = nn.Linear(self.base.in_features, self.base.out_features, bias=self.base.bias is not None)
         out = out.to(device=self.base.weight.device, dtype=self.base.weight.dtype)
-        out.weight.copy_(self.base.weight + (self.lora_B @ self.lora_A) * self.scale)
+        out.weight.copy_(merged_weight(self.base.weight, self.lora_A, self.lora_B, self.scale))
         if self.base.bias is not None:
             out.bias.copy_(self.base.bias)
         return out
@@ -86,6 +91,5 @@ def split_lora_state(
     if merge:
         for layer in adapted:
             lora_a, lora_b = adapters[layer + ".lora_A"], adapters[layer + ".lora_B"]
-            weight = plain[layer + ".weight"]
-            plain[layer + ".weight"] = (weight.float() + scale * (lora_b.float() @ lora_a.float())).to(weight.dtype)
+            plain[layer + ".weight"] = merged_weight(plain[layer + ".weight"], lora_a, lora_b, scale)
     return plain, adapters

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from cp_core.kernels import fla_available
+from cp_core import resolve_recurrent_backend
 from cp_models.common import ContextParallelModule
 
 
@@ -56,9 +56,9 @@ def apply_compile(model: nn.Module) -> int:
 def _fused(module: nn.Module) -> bool:
     """Whether ``module`` already runs as a fused flash-linear-attention kernel (the norms on CUDA)."""
     weight = getattr(module, "weight", None)
-    if getattr(module, "backend", "torch") == "torch" or not isinstance(weight, torch.Tensor):
+    if not hasattr(module, "backend") or not isinstance(weight, torch.Tensor):
         return False
-    return weight.is_cuda and fla_available()
+    return resolve_recurrent_backend(module.backend, weight) == "fla"
 
 
 # Children of a decoder block (or of its token mixer) that may be compiled; those that are token mixers
