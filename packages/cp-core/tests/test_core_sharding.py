@@ -10,6 +10,7 @@ from cp_core import (
     ContextParallelError,
     CPTopology,
     gather_sequence,
+    gather_variable,
     shard_mrope_positions,
     shard_position_ids,
     shard_sequence,
@@ -140,6 +141,24 @@ def _gather_grad(topology: CPTopology, x: torch.Tensor, dim: int, mode: str, see
     return {"gathered": gathered.detach(), "grad": x.grad}
 
 
+def _gather_variable(topology: CPTopology, rows: list[torch.Tensor], seed: int) -> dict:
+    counts = [r.size(0) for r in rows]
+    local = rows[topology.rank].clone().requires_grad_()
+    gathered = gather_variable(local, counts, topology)
+    gathered.backward(upstream_grad(tuple(gathered.shape), topology.rank, seed))
+    return {"gathered": gathered.detach(), "grad": local.grad}
+
+
+def _gather_variable_errors(topology: CPTopology) -> list[str]:
+    messages = []
+    for counts in ([1] * (topology.size + 1), [2] * topology.size):
+        try:
+            gather_variable(torch.zeros(1, 3), counts, topology)
+        except ContextParallelError as exc:
+            messages.append(str(exc))
+    return messages
+
+
 # --------------------------------------------------------------------------------------------------------
 # Multi-process
 
@@ -237,3 +256,24 @@ def test_gather_backward_slice_and_sum(workers, dim):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=f"sum, rank {rank}")
         # The two modes really differ here (the upstream gradients depend on the rank).
         assert not torch.allclose(got, upstream[rank].narrow(dim, rank * local, local), atol=1e-3)
+
+
+@pytest.mark.parametrize("pattern", ["uneven", "some_empty", "all_empty"])
+def test_gather_variable_rows_and_summed_backward(workers, pattern):
+    cp = workers.world_size
+    counts = {"uneven": [3, 1, 4, 2][:cp], "some_empty": [0, 5, 0, 2][:cp], "all_empty": [0] * cp}[pattern]
+    rows = [torch.randn(n, 2, 3) for n in counts]
+    full = torch.cat(rows)
+    results = workers.run(_gather_variable, rows, 7)
+    total = torch.stack([upstream_grad(tuple(full.shape), rank, 7) for rank in range(cp)]).sum(0)
+    offsets = [sum(counts[:r]) for r in range(cp)]
+    for rank, result in enumerate(results):
+        assert torch.equal(result["gathered"], full), rank
+        want = total[offsets[rank] : offsets[rank] + counts[rank]]
+        if counts[rank]:
+            torch.testing.assert_close(result["grad"], want, rtol=1e-6, atol=1e-6)
+        else:
+            assert result["grad"] is None or result["grad"].numel() == 0
+    for rank, messages in enumerate(workers.run(_gather_variable_errors)):
+        assert f"must give one row count per rank of cp={cp}" in messages[0], rank
+        assert f"rank {rank} holds 1 rows but counts[{rank}]=2" in messages[1], rank

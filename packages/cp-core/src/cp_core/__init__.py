@@ -36,6 +36,7 @@ from cp_core.packing import (
 )
 from cp_core.sharding import (
     gather_sequence,
+    gather_variable,
     shard_mrope_positions,
     shard_position_ids,
     shard_sequence,
@@ -74,6 +75,7 @@ __all__ = [
     "gated_delta_rule",
     "gated_delta_rule_cp",
     "gather_sequence",
+    "gather_variable",
     "heads_to_sequence",
     "local_groups",
     "local_heads",

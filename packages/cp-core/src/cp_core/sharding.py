@@ -93,3 +93,28 @@ def gather_sequence(
         return x
     moved = x.movedim(dim, 0)
     return _GatherSequence.apply(moved, topology, backward).movedim(0, dim)
+
+
+def gather_variable(x: torch.Tensor, counts: list[int] | tuple[int, ...], topology: CPTopology) -> torch.Tensor:
+    """All-gather rows of different counts per rank along dim 0, with autograd: ``[sum(counts), *x.shape[1:]]``.
+
+    ``counts[r]`` is the number of rows rank ``r`` holds (host values every rank shares; ``x.size(0)`` must equal
+    ``counts[rank]``). Rows are padded to the largest count for one all-gather and unpadded after. Backward is a
+    reduce-scatter: each rank's rows get the sum of every rank's gradient for them (ranks use the gathered rows
+    differently, e.g. each merges a different part into its own shard).
+    """
+    counts = [int(c) for c in counts]
+    if len(counts) != topology.size:
+        raise ContextParallelError(f"counts {counts} must give one row count per rank of cp={topology.size}")
+    if x.size(0) != counts[topology.rank]:
+        raise ContextParallelError(
+            f"rank {topology.rank} holds {x.size(0)} rows but counts[{topology.rank}]={counts[topology.rank]}"
+        )
+    if not topology.enabled:
+        return x
+    most = max(counts)
+    if most == 0:
+        return x
+    padded = torch.cat([x, x.new_zeros(most - x.size(0), *x.shape[1:])]) if x.size(0) < most else x
+    gathered = gather_sequence(padded, topology, dim=0, backward="sum")
+    return torch.cat([gathered[r * most : r * most + n] for r, n in enumerate(counts)])

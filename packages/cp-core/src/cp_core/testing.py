@@ -25,13 +25,14 @@ import random
 import socket
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cp_core.packing import build_packed_metadata
@@ -412,6 +413,114 @@ def check_cp_parity(
     if extra:
         raise AssertionError(f"CP ranks produced gradients the unsharded run did not: {sorted(extra)}")
     return report
+
+
+# --------------------------------------------------------------------------------------------------------
+# True fp64 runs
+
+
+class KeepFloat64(TorchFunctionMode):
+    """``Tensor.float()`` leaves float64 tensors as they are (a model's fp32 upcasts become no-ops in fp64)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.float and args[0].dtype == torch.float64:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+def _enter_keep_float64(module: torch.nn.Module, args) -> None:
+    mode = KeepFloat64()
+    mode.__enter__()
+    module.__dict__.setdefault("_keep_float64_modes", []).append(mode)
+
+
+def _exit_keep_float64(module: torch.nn.Module, args, output) -> None:
+    module.__dict__["_keep_float64_modes"].pop().__exit__(None, None, None)
+
+
+def keep_float64_(model: torch.nn.Module, layers: Iterable[torch.nn.Module] = ()) -> torch.nn.Module:
+    """Run ``model`` (already ``.double()``) in true fp64: models compute norms, decays and routers in fp32
+    (``.float()``), which would cap an fp64 comparison at fp32 rounding. Hooks on ``model`` and on each of ``layers``
+    (pass the activation-checkpointed blocks, so that their recomputation in backward is covered too) make those
+    casts no-ops. An fp64 comparison separates a CP bug (any size) from fp32 rounding amplified by cancellation."""
+    for module in (model, *layers):
+        module.register_forward_pre_hook(_enter_keep_float64)
+        module.register_forward_hook(_exit_keep_float64)
+    return model
+
+
+# --------------------------------------------------------------------------------------------------------
+# Fast kernels vs reference paths (GPU)
+
+
+def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / ||b||`` in fp64."""
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
+
+
+@dataclass
+class KernelAgreement:
+    """How far a fast-kernel model is from the same weights on the reference paths, and both from fp32.
+
+    ``output``: fast vs reference output; ``fast_vs_fp32`` / ``reference_vs_fp32``: each low-precision output
+    against the fp32 run (the fast path should be no worse than the reference in the same dtype);
+    ``grads``: fast vs reference parameter gradient, by name.
+    """
+
+    output: float
+    fast_vs_fp32: float
+    reference_vs_fp32: float
+    grads: dict[str, float]
+
+    @property
+    def worst_grad(self) -> tuple[str, float]:
+        name = max(self.grads, key=self.grads.__getitem__)
+        return name, self.grads[name]
+
+    def __str__(self) -> str:
+        name, worst = self.worst_grad
+        return (
+            f"output rel {self.output:.2e}; worst grad {name} rel {worst:.2e}; vs fp32: fast "
+            f"{self.fast_vs_fp32:.2e}, reference {self.reference_vs_fp32:.2e}"
+        )
+
+
+def kernel_agreement(
+    make_model: Callable[[str], torch.nn.Module],
+    forward: Callable[[torch.nn.Module], torch.Tensor],
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+) -> KernelAgreement:
+    """Compare a model on its fast kernels with the same weights on the reference (torch) paths.
+
+    ``make_model(backend)`` builds the model for ``backend`` "fast" or "reference" (on the target device, fp32);
+    all three runs (fast in ``dtype``, reference in ``dtype``, reference in fp32) share the weights of one fp32
+    model. ``forward(model)`` returns the output to compare; the same random output gradient is back-propagated
+    through all three.
+    """
+    torch.manual_seed(seed)
+    fp32 = make_model("reference")
+    reference, fast = make_model("reference"), make_model("fast")
+    for model in (reference, fast):
+        model.load_state_dict(fp32.state_dict())
+        model.to(dtype)
+    outputs = {}
+    upstream = None
+    for name, model in (("fast", fast), ("reference", reference), ("fp32", fp32)):
+        out = forward(model).float()
+        if upstream is None:
+            generator = torch.Generator(device=out.device).manual_seed(seed + 1)
+            upstream = torch.randn(out.shape, device=out.device, generator=generator)
+        (out * upstream).sum().backward()
+        outputs[name] = out.detach()
+    ref_params = dict(reference.named_parameters())
+    grads = {n: relative_l2(p.grad, ref_params[n].grad) for n, p in fast.named_parameters() if p.grad is not None}
+    return KernelAgreement(
+        output=relative_l2(outputs["fast"], outputs["reference"]),
+        fast_vs_fp32=relative_l2(outputs["fast"], outputs["fp32"]),
+        reference_vs_fp32=relative_l2(outputs["reference"], outputs["fp32"]),
+        grads=grads,
+    )
 
 
 # --------------------------------------------------------------------------------------------------------
