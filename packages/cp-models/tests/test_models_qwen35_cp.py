@@ -11,11 +11,10 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
 from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
 from cp_core import CPTopology, PackedRowMetadata
-from cp_core.testing import GlooWorkers, RankFailure, check_cp_parity, layout_cases
+from cp_core.testing import GlooWorkers, RankFailure, check_cp_parity, keep_float64_, layout_cases
 from cp_models import (
     ContextParallelModule,
     Qwen35ForCausalLM,
@@ -104,32 +103,9 @@ def randomize_(model: torch.nn.Module) -> None:
             p.normal_(0.0, 0.2)
 
 
-class KeepFloat64(TorchFunctionMode):
-    """``Tensor.float()`` leaves float64 tensors as they are (the model's fp32 upcasts become no-ops in fp64)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.float and args[0].dtype == torch.float64:
-            return args[0]
-        return func(*args, **(kwargs or {}))
-
-
-def _enter_keep_float64(module: torch.nn.Module, args) -> None:
-    mode = KeepFloat64()
-    mode.__enter__()
-    module.__dict__.setdefault("_keep_float64_modes", []).append(mode)
-
-
-def _exit_keep_float64(module: torch.nn.Module, args, output) -> None:
-    module.__dict__["_keep_float64_modes"].pop().__exit__(None, None, None)
-
-
-def keep_float64_(model: torch.nn.Module) -> None:
-    """Run ``model`` in true fp64: like transformers, the model computes its norms, GDN decay and router in fp32
-    (``.float()``), which would cap an fp64 comparison at fp32 rounding. Hooks on the model and on every decoder layer
-    (so also while activation checkpointing recomputes a layer in backward) make those casts no-ops."""
-    for module in (model, *(m for m in model.modules() if isinstance(m, Qwen35DecoderLayer))):
-        module.register_forward_pre_hook(_enter_keep_float64)
-        module.register_forward_hook(_exit_keep_float64)
+def keep_qwen35_float64_(model: torch.nn.Module) -> None:
+    """True fp64 (see cp_core.testing.keep_float64_), also while activation checkpointing recomputes a layer."""
+    keep_float64_(model, [m for m in model.modules() if isinstance(m, Qwen35DecoderLayer)])
 
 
 def build_model(
@@ -144,7 +120,7 @@ def build_model(
     randomize_(model)
     model.to(dtype)
     if keep_float64:
-        keep_float64_(model)
+        keep_qwen35_float64_(model)
     if checkpointing:
         apply_activation_checkpointing(model)
     return model

@@ -15,6 +15,7 @@ import torch
 from transformers import Qwen3_5TextConfig
 
 from cp_core.kernels import fla_available
+from cp_core.testing import kernel_agreement, relative_l2
 from cp_models import Qwen35ForCausalLM
 
 pytestmark = pytest.mark.skipif(
@@ -37,35 +38,20 @@ def test_fast_kernels_match_torch_path():
         linear_value_head_dim=128,
         tie_word_embeddings=True,
     )
-    torch.manual_seed(0)
-    fp32 = Qwen35ForCausalLM(config, attention_backend="torch", recurrent_backend="torch").cuda()
-    for p in fp32.parameters():
-        if p.dim() > 1:
-            torch.nn.init.normal_(p, std=0.02)
-    ref = Qwen35ForCausalLM(config, attention_backend="torch", recurrent_backend="torch").cuda()
-    fast = Qwen35ForCausalLM(config).cuda()
-    for model in (ref, fast):
-        model.load_state_dict(fp32.state_dict())
-        model.to(torch.bfloat16)
     lens = [2000, 1500, 596]
+    torch.manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (sum(lens),), device="cuda")
-    grad = torch.randn(sum(lens), config.vocab_size, device="cuda")
-    outs = {}
-    for name, model in (("fast", fast), ("ref", ref), ("fp32", fp32)):
-        logits = model(ids, lens, return_logits=True).logits
-        (logits.float() * grad).sum().backward()
-        outs[name] = logits.float()
-    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
-    logit_err = rel(outs["fast"], outs["ref"])
-    grad_errs = {n: rel(p.grad, dict(ref.named_parameters())[n].grad) for n, p in fast.named_parameters()}
-    worst = max(grad_errs, key=grad_errs.get)
-    print(f"logits rel {logit_err:.2e}; worst grad {worst} rel {grad_errs[worst]:.2e}")
-    print(
-        f"vs fp32: fast logits {rel(outs['fast'], outs['fp32']):.2e}, torch-bf16 logits {rel(outs['ref'], outs['fp32']):.2e}"
-    )
-    assert logit_err < 3e-2
-    assert rel(outs["fast"], outs["fp32"]) <= 1.25 * rel(outs["ref"], outs["fp32"])
-    assert all(e < 1e-1 for e in grad_errs.values()), {n: e for n, e in grad_errs.items() if e >= 1e-1}
+
+    def make(backend):
+        if backend == "fast":
+            return Qwen35ForCausalLM(config).cuda()
+        return Qwen35ForCausalLM(config, attention_backend="torch", recurrent_backend="torch").cuda()
+
+    result = kernel_agreement(make, lambda model: model(ids, lens, return_logits=True).logits)
+    print(result)
+    assert result.output < 3e-2
+    assert result.fast_vs_fp32 <= 1.25 * result.reference_vs_fp32
+    assert all(e < 1e-1 for e in result.grads.values()), {n: e for n, e in result.grads.items() if e >= 1e-1}
 
 
 def test_moe_grouped_gemm_matches_loop():
@@ -99,10 +85,6 @@ def test_moe_grouped_gemm_matches_loop():
     assert all(e < 1e-2 for e in errors), errors
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 def test_fused_norm_kernels_match_reference():
     """fla's fused RMSNorm and gated (grouped) RMSNorm equal the torch references in bf16: outputs and grads."""
     from cp_models.common import GatedRMSNorm, ZeroCenteredRMSNorm
@@ -125,7 +107,7 @@ def test_fused_norm_kernels_match_reference():
             out = fn(x, z) if gated else fn(x)
             out.backward(grad)
             results.append([out, x.grad] + ([z.grad] if gated else []) + [norm.weight.grad])
-        errors = [_rel(a, b) for a, b in zip(*results, strict=True)]
+        errors = [relative_l2(a, b) for a, b in zip(*results, strict=True)]
         print(type(norm).__name__, shape, [f"{e:.1e}" for e in errors])
         assert all(e < 1e-2 for e in errors), errors
 
@@ -157,5 +139,5 @@ def test_chunked_loss_bf16_on_cuda():
     ours = run(lambda hid, w: token_log_probs(hid, w, labels, 1024), torch.bfloat16)
     plain = run(reference, torch.bfloat16)
     for name, t_, o, p in zip(("fwd", "hidden", "weight"), truth, ours, plain, strict=True):
-        print(f"loss {name}: ours {_rel(o, t_):.2e}, plain {_rel(p, t_):.2e}")
-        assert _rel(o, t_) <= 1.5 * _rel(p, t_) + 1e-6, name
+        print(f"loss {name}: ours {relative_l2(o, t_):.2e}, plain {relative_l2(p, t_):.2e}")
+        assert relative_l2(o, t_) <= 1.5 * relative_l2(p, t_) + 1e-6, name

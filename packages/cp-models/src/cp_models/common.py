@@ -263,6 +263,16 @@ def write_safetensors(
     )
 
 
+def check_checkpoint_keys(state: Mapping[str, torch.Tensor], expected: Iterable[str], path: str | os.PathLike) -> None:
+    """Raise naming a few examples when a checkpoint lacks expected tensors or has unknown ones."""
+    expected = set(expected)
+    missing, unexpected = expected - state.keys(), state.keys() - expected
+    if missing:
+        raise ContextParallelError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
+    if unexpected:
+        raise ContextParallelError(f"checkpoint {path} has unknown tensors, e.g. {sorted(unexpected)[:5]}")
+
+
 @dataclass
 class CausalLMOutput:
     hidden_states: torch.Tensor
@@ -332,6 +342,19 @@ def strip_prefixes(state: Mapping[str, torch.Tensor], prefixes: Iterable[tuple[s
     return out
 
 
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's list of decoder blocks: ``model.decoder_layers()`` for cp_models' models (the VL model's are its
+    language model's), else ``model.model.layers``."""
+    layers = (
+        model.decoder_layers()
+        if hasattr(model, "decoder_layers")
+        else getattr(getattr(model, "model", None), "layers", None)
+    )
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"{type(model).__name__} has no ModuleList of decoder blocks (model.decoder_layers())")
+    return layers
+
+
 def apply_activation_checkpointing(model: nn.Module, layers: nn.ModuleList | None = None) -> nn.Module:
     """Wrap every decoder layer in torch's non-reentrant checkpoint wrapper (activations recomputed in backward).
 
@@ -340,7 +363,7 @@ def apply_activation_checkpointing(model: nn.Module, layers: nn.ModuleList | Non
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
-    layers = layers if layers is not None else model.model.layers
+    layers = layers if layers is not None else decoder_layers(model)
     for i, layer in enumerate(layers):
         layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
     return model

@@ -50,6 +50,7 @@ from cp_models.common import (
     GatedRMSNorm,
     build_row_metadata,
     causal_lm_output,
+    check_checkpoint_keys,
     check_position_ids,
     embed_row,
     read_safetensors,
@@ -550,6 +551,10 @@ class NemotronHForCausalLM(nn.Module):
         hidden = self.model(embeds, meta)
         return causal_lm_output(hidden, self.lm_head, labels, return_logits, loss_chunk_size)
 
+    def decoder_layers(self) -> nn.ModuleList:
+        """The decoder blocks (what activation checkpointing, compile and FSDP wrap one by one)."""
+        return self.model.layers
+
     # -- HF checkpoints --------------------------------------------------------------------------------------
 
     @classmethod
@@ -569,11 +574,7 @@ class NemotronHForCausalLM(nn.Module):
             model = cls(config, attention_backend, recurrent_backend, mamba_cp_style)
         state = hf_to_cp_state(read_safetensors(path), config)
         expected = set(model.state_dict().keys())  # parameters and the routers' correction-bias buffers
-        missing, unexpected = expected - state.keys(), state.keys() - expected
-        if missing:
-            raise ContextParallelError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
-        if unexpected:
-            raise ContextParallelError(f"checkpoint {path} has unknown tensors, e.g. {sorted(unexpected)[:5]}")
+        check_checkpoint_keys(state, expected, path)
         # Cast before assigning, so that the routers' fp32 tensors never pass through a lower precision.
         state = {n: _checkpoint_dtype(n, t, dtype) for n, t in state.items()}
         model.load_state_dict(state, strict=True, assign=True)

@@ -11,6 +11,7 @@ lengths; attention runs Ulysses (cp_core.ulysses_attention), GDN the conv halo a
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from cp_models.common import (
     ZeroCenteredRMSNorm,
     build_row_metadata,
     causal_lm_output,
+    check_checkpoint_keys,
     check_position_ids,
     embed_row,
     read_safetensors,
@@ -55,7 +57,10 @@ def load_text_config(path_or_config):
         path_or_config if isinstance(path_or_config, PretrainedConfig) else AutoConfig.from_pretrained(path_or_config)
     )
     if getattr(config, "text_config", None) is not None and config.model_type in ("qwen3_5", "qwen3_5_moe"):
-        config = config.text_config
+        # A VL checkpoint ties its head by the top-level flag (transformers' VL model reads that one).
+        tied = config.tie_word_embeddings
+        config = copy.deepcopy(config.text_config)
+        config.tie_word_embeddings = tied
     if config.model_type not in ("qwen3_5_text", "qwen3_5_moe_text"):
         raise ContextParallelError(f"not a Qwen3.5 config: model_type={config.model_type!r}")
     return config
@@ -333,6 +338,20 @@ class Qwen35TextModel(nn.Module):
         return self.norm(hidden)
 
 
+@torch.no_grad()
+def init_qwen35_weights(root: nn.Module, std: float) -> None:
+    """transformers' initialization of the Qwen3.5 text modules under ``root``: normal(0, std) for projections,
+    embeddings and experts, zero biases; norms and the GDN decay parameters keep the values their modules set."""
+    for module in root.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d)):
+            module.weight.normal_(0.0, std)
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+        elif isinstance(module, Qwen35Experts):
+            module.gate_up_proj.normal_(0.0, std)
+            module.down_proj.normal_(0.0, std)
+
+
 class Qwen35ForCausalLM(nn.Module):
     """Qwen3.5 (dense or MoE) causal LM over one packed row, with or without context parallelism.
 
@@ -357,19 +376,9 @@ class Qwen35ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.init_weights()
 
-    @torch.no_grad()
     def init_weights(self) -> None:
-        """transformers' initialization: normal(0, initializer_range) for projections, embeddings and experts;
-        norms and the GDN decay parameters keep the values their modules set."""
-        std = self.config.initializer_range
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d)):
-                module.weight.normal_(0.0, std)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
-            elif isinstance(module, Qwen35Experts):
-                module.gate_up_proj.normal_(0.0, std)
-                module.down_proj.normal_(0.0, std)
+        """transformers' initialization (see :func:`init_qwen35_weights`)."""
+        init_qwen35_weights(self, self.config.initializer_range)
 
     def forward(
         self,
@@ -390,6 +399,10 @@ class Qwen35ForCausalLM(nn.Module):
         hidden = self.model(embeds, position_ids.to(embeds.device), meta)
         return causal_lm_output(hidden, self.lm_head, labels, return_logits, loss_chunk_size)
 
+    def decoder_layers(self) -> nn.ModuleList:
+        """The decoder blocks (what activation checkpointing, compile and FSDP wrap one by one)."""
+        return self.model.layers
+
     # -- HF checkpoints --------------------------------------------------------------------------------------
 
     @classmethod
@@ -409,11 +422,7 @@ class Qwen35ForCausalLM(nn.Module):
         expected = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         if config.tie_word_embeddings:
             expected.discard("lm_head.weight")
-        missing, unexpected = expected - state.keys(), state.keys() - expected
-        if missing:
-            raise ContextParallelError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
-        if unexpected:
-            raise ContextParallelError(f"checkpoint {path} has unknown tensors, e.g. {sorted(unexpected)[:5]}")
+        check_checkpoint_keys(state, expected, path)
         model.load_state_dict(state, strict=False, assign=True)
         if config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight

@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from cp_core import resolve_recurrent_backend
-from cp_models.common import ContextParallelModule
+from cp_models.common import ContextParallelModule, decoder_layers
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
@@ -24,14 +24,6 @@ def _unwrap(module: nn.Module) -> nn.Module:
         if inner is None:
             return module
         module = inner
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The model's list of decoder blocks (``model.model.layers`` for cp_models' causal LMs)."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise TypeError(f"{type(model).__name__} has no model.layers ModuleList of decoder blocks")
-    return layers
 
 
 def apply_compile(model: nn.Module) -> int:
