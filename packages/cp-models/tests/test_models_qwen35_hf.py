@@ -55,6 +55,7 @@ BASE = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
+BASE_ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0]}
 MOE = dict(moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=4, num_experts_per_tok=2)
 
 # name -> (moe?, config overrides, packed document lengths). Every row holds a document of 1-3 tokens.
@@ -644,3 +645,17 @@ def test_load_text_config_accepts_qwen35_configs():
     vl = Qwen3_5Config(text_config=text.to_dict())
     assert load_text_config(vl).model_type == "qwen3_5_text"
     assert load_text_config(vl).hidden_size == text.hidden_size
+
+
+def test_rotary_frequencies_stay_fp32_under_a_dtype_cast():
+    """``model.to(bfloat16)`` must not round the rotary frequencies: at position 30000 a bf16-rounded frequency
+    turns the angle by up to ~100 rad. The cos/sin tables of a bf16 model equal the fp32 model's, cast once."""
+    config = make_config(False, layer_types=[FULL, LIN], rope_parameters=dict(BASE_ROPE))
+    model = Qwen35ForCausalLM(config)
+    positions = torch.tensor([0, 7, 4095, 30000, 131071])
+    ref_cos, ref_sin = model.model.rotary_emb(positions, torch.float32)
+    model.to(torch.bfloat16)
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    cos, sin = model.model.rotary_emb(positions, torch.bfloat16)
+    torch.testing.assert_close(cos, ref_cos.bfloat16(), rtol=0, atol=0)
+    torch.testing.assert_close(sin, ref_sin.bfloat16(), rtol=0, atol=0)

@@ -84,14 +84,18 @@ class Qwen35Rotary(nn.Module):
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
             inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # A plain fp32 tensor, not a buffer: ``model.to(torch.bfloat16)`` would round a buffer to bf16, and rotary
+        # angles of position p drift by p times that rounding (hundreds of radians at 32k tokens).
+        self.inv_freq = inv_freq.float()
         self.mrope_section = list(rope.get("mrope_section", [11, 11, 10]))
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids [T] (text) or [3, T] (t, h, w) -> cos, sin [T, rotary_dim]."""
         if position_ids.dim() == 1:
             position_ids = position_ids.expand(3, -1)
-        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)  # [3, T, dim/2]
+        if self.inv_freq.device != position_ids.device:
+            self.inv_freq = self.inv_freq.to(position_ids.device)
+        freqs = position_ids[..., None].float() * self.inv_freq  # [3, T, dim/2]
         mixed = freqs[0].clone()
         for axis, offset in ((1, 1), (2, 2)):  # height and width take interleaved frequency slots
             idx = slice(offset, self.mrope_section[axis] * 3, 3)
