@@ -116,18 +116,22 @@ def main() -> None:
     rows = []
     for variant in args.variants:
         torch.manual_seed(0)
+        started = time.perf_counter()
         if variant.startswith("transformers"):
             config._attn_implementation = "sdpa"
-            model, step = Qwen3_5ForCausalLM(config).to("cuda", torch.bfloat16), _step_hf
+            with torch.device("cuda"):  # initialize on the GPU: building 752M parameters on the host takes long
+                model, step = Qwen3_5ForCausalLM(config).to(torch.bfloat16), _step_hf
             if variant != "transformers":
                 model.gradient_checkpointing_enable()
         else:
-            model, step = Qwen35ForCausalLM(config).to("cuda", torch.bfloat16), _step_ours
+            with torch.device("cuda"):
+                model, step = Qwen35ForCausalLM(config).to(torch.bfloat16), _step_ours
             if "ckpt" in variant:
                 apply_activation_checkpointing(model)
             if "compile" in variant:
                 apply_compile(model)
         params = sum(p.numel() for p in model.parameters())
+        print(f"{variant}: built in {time.perf_counter() - started:.1f} s", flush=True)
         for seq_len in args.seq_lens:
             rows.append(measure(variant, model, step, seq_len))
         del model
@@ -139,7 +143,8 @@ def main() -> None:
         f"# Qwen3.5-0.8B shape: forward + backward on one {device} (bf16, {params / 1e6:.0f}M parameters)",
         "",
         "One document per row, random weights, mean token cross-entropy; median of 3 steps after 2 warm-ups.",
-        "Reproduce on the GPU machine: `bash benchmarks/gpu_session_models.sh` after staging fla (see the script).",
+        "transformers with fla installed (its GDN kernels) and SDPA attention, in the same process as ours.",
+        "Reproduce on the GPU machine: `bash benchmarks/gpu_session_models.sh qwen35` after staging fla (see the script).",
         "",
         "| model | S | ms / step | tokens/s | peak GiB |",
         "|---|---|---|---|---|",
