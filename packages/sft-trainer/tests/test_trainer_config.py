@@ -15,6 +15,8 @@ from sft_trainer.config import (
     DEFAULT_CONFIG,
     SHIPPED_DATA,
     SHIPPED_TOKENIZER,
+    SHIPPED_VL_DATA,
+    SHIPPED_VL_PROCESSOR,
     ConfigError,
     ParallelConfig,
     TrainConfig,
@@ -96,6 +98,7 @@ def model_files(tmp_path: Path) -> dict[str, str]:
         paths[name] = str(folder / "config.json")
     paths["dir_q6"] = str(tmp_path / "q6")  # a checkpoint-like folder holding config.json
     paths["missing"] = str(tmp_path / "does_not_exist")
+    paths["vl_processor"] = str(SHIPPED_VL_PROCESSOR)
     return paths
 
 
@@ -256,6 +259,22 @@ INVALID = [
         ["--model.config", "{conv8}", "--data.seq_len", "12", "--parallel.cp", "2"],
         ["data.seq_len=12", "linear_conv_kernel_dim-1=7", ">= cp * 7 = 14"],
     ),
+    (
+        "processor_for_a_text_model",
+        ["--data.processor", "{vl_processor}"],
+        ["data.processor=", "text-only model", "model.preset = 'tiny-qwen3_5-vl'"],
+    ),
+    (
+        "processor_folder_without_config",
+        ["--model.preset", "tiny-qwen3_5-vl", "--data.processor", "{dir_q6}"],
+        ["data.processor=", "preprocessor_config.json"],
+    ),
+    (
+        "vl_preset_needs_ulysses",
+        ["--model.preset", "tiny-qwen3_5-vl", "--parallel.cp_style", "state_passing"],
+        ["parallel.cp_style='state_passing'", "vision-language", "cp_style='ulysses'"],
+    ),
+    ("vision_cp_unknown", ["--model.vision_cp", "split"], ["model.vision_cp='split'", "'shard' or 'replicate'"]),
     ("cp_zero", ["--parallel.cp", "0"], ["parallel.cp=0", "greater than or equal to 1"]),
     ("dp_zero", ["--parallel.dp", "0"], ["parallel.dp=0", "must be >= 1, or -1"]),
     ("lr_zero", ["--train.lr", "0"], ["train.lr=0", "greater than 0"]),
@@ -319,8 +338,15 @@ def test_default_config_loads():
     assert cfg.parallel.cp == 2 and cfg.parallel.backend == "gloo" and cfg.parallel.num_local_workers == 2
     assert 30 <= cfg.train.steps <= 60
     assert cfg.data.seq_len % cfg.parallel.cp == 0
-    assert Path(cfg.data.path) == SHIPPED_DATA and SHIPPED_DATA.is_file()
-    assert Path(cfg.data.tokenizer) == SHIPPED_TOKENIZER and SHIPPED_TOKENIZER.is_dir()
+    assert cfg.data.path is None and Path(cfg.data_path) == SHIPPED_DATA and SHIPPED_DATA.is_file()
+    assert Path(cfg.tokenizer_path) == SHIPPED_TOKENIZER and SHIPPED_TOKENIZER.is_dir()
+    assert not cfg.vision_language and cfg.processor_path is None
+    # The VL config: the shipped image set and the processor folder (tokenizer + image processor).
+    vl = load_config("tiny_vl_cpu", [])
+    assert vl.vision_language and vl.model.vision_cp == "shard"
+    assert Path(vl.data_path) == SHIPPED_VL_DATA and Path(vl.tokenizer_path) == SHIPPED_VL_PROCESSOR
+    assert Path(vl.processor_path) == SHIPPED_VL_PROCESSOR
+    assert load_config(None, ["--model.preset", "tiny-qwen3_5-vl"]).data_path == vl.data_path
     assert cfg.checkpoint_dir == Path(cfg.output_dir) / "checkpoints"
     assert cfg.metrics_path == Path(cfg.output_dir) / "metrics.jsonl"
 

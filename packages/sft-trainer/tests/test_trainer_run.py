@@ -4,48 +4,10 @@ export loads in transformers with the same logits."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-STEPS = 3
-
-
-def _train(out: Path, *overrides: str, torchrun_procs: int = 0) -> list[dict]:
-    launcher = ["-c", "from sft_trainer.run import main; main()"]
-    if torchrun_procs:  # torchrun sets RANK/WORLD_SIZE; sft-train then runs as one of its workers
-        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun_procs}"]
-        launcher += ["-m", "sft_trainer.run"]
-    cmd = [
-        sys.executable,
-        *launcher,
-        "--output_dir",
-        str(out),
-        "--train.steps",
-        str(STEPS),
-        "--data.seq_len",
-        "128",
-        "--train.warmup_steps",
-        "1",
-        "--model.dtype",
-        "float32",
-        "--logging.progress_bar",
-        "false",
-        *overrides,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
-
-
-def _weights(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(path / "hf" / "model.safetensors"))
+from trainer_runs import STEPS, _assert_same_run, _train
 
 
 @pytest.fixture(scope="module")
@@ -63,29 +25,6 @@ def cp1_run(tmp_path_factory):
         "true",
     )
     return out, _train(out, *overrides)
-
-
-def _assert_same_run(run1: tuple[Path, list[dict]], run2: tuple[Path, list[dict]]) -> None:
-    (out1, metrics1), (out2, metrics2) = run1, run2
-    losses1, losses2 = [m["loss"] for m in metrics1], [m["loss"] for m in metrics2]
-    assert len(losses1) == len(losses2) == STEPS
-    for a, b in zip(losses1, losses2, strict=True):
-        assert abs(a - b) <= 1e-5 * abs(a), (losses1, losses2)
-    assert [m["tokens"] for m in metrics1] == [m["tokens"] for m in metrics2]
-    w1, w2 = _weights(out1), _weights(out2)
-    assert w1.keys() == w2.keys()
-    # Per tensor in the L2 norm. Exception, measured: the GDN decay-gate parameters (in_proj_a, A_log, dt_bias).
-    # At transformers' init (A up to 16) most decays underflow, so their true gradients are ~0 and their fp32
-    # gradients are rounding noise that differs between the CP and unsharded runs; Adam's first steps move each
-    # weight by about lr * sign(grad), noise included (seen: 1.4e-2 on in_proj_a, 1e-3 on dt_bias). The model's
-    # own gradients agree (tests/test_models_qwen35_cp.py, exact in fp64). Their differences then feed the later
-    # steps' forward passes, so the other tensors drift too: measured up to 2.3e-5 after 3 steps (limit 1e-4).
-    gates = ("linear_attn.in_proj_a.weight", "linear_attn.A_log", "linear_attn.dt_bias")
-    diffs = {n: ((w1[n] - w2[n]).norm() / w1[n].norm().clamp_min(1e-12)).item() for n in w1}
-    strict = {n: d for n, d in diffs.items() if not n.endswith(gates)}
-    worst = sorted(strict.items(), key=lambda x: -x[1])[:5]
-    assert len(strict) > len(diffs) - 10 and max(strict.values()) <= 1e-4, worst
-    assert max(diffs.values()) <= 5e-2, sorted(diffs.items(), key=lambda x: -x[1])[:5]
 
 
 def test_torchrun_cp2_fsdp_equals_cp1_and_logs_to_wandb(cp1_run, tmp_path):

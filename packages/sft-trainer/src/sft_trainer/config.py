@@ -39,6 +39,8 @@ __all__ = [
     "PRESETS",
     "SHIPPED_DATA",
     "SHIPPED_TOKENIZER",
+    "SHIPPED_VL_DATA",
+    "SHIPPED_VL_PROCESSOR",
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
@@ -57,6 +59,7 @@ __all__ = [
     "resolve_model_config",
     "tiny_nemotron_h_config",
     "tiny_qwen35_config",
+    "tiny_qwen35_vl_config",
 ]
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -64,6 +67,8 @@ CONFIGS_DIR = _PACKAGE_DIR / "configs"
 DEFAULT_CONFIG = CONFIGS_DIR / "tiny_cpu.toml"
 SHIPPED_DATA = _PACKAGE_DIR / "assets" / "tiny_chat.jsonl"
 SHIPPED_TOKENIZER = _PACKAGE_DIR / "assets" / "tiny_tokenizer"
+SHIPPED_VL_DATA = _PACKAGE_DIR / "assets" / "tiny_vl_chat" / "data.jsonl"
+SHIPPED_VL_PROCESSOR = _PACKAGE_DIR / "assets" / "tiny_vl_processor"
 
 # Which CP styles each layer type runs under, per model family (``parallel.cp_style``; "auto" picks the first
 # style of the family). Qwen3.5: "ulysses" = softmax attention by Ulysses all-to-all, GDN by the conv halo and
@@ -185,7 +190,48 @@ def tiny_nemotron_h_config(vocab_size: int = 1024):
     )
 
 
-PRESETS = {"tiny-qwen3_5": tiny_qwen35_config, "tiny-nemotron_h": tiny_nemotron_h_config}
+def tiny_qwen35_vl_config(vocab_size: int = 1024, **token_ids: int):
+    """The built-in tiny Qwen3.5-VL (``model.preset = "tiny-qwen3_5-vl"``): a transformers ``Qwen3_5Config``.
+
+    The tiny hybrid text model of :func:`tiny_qwen35_config` (with tied embeddings, as Qwen3.5's small models) and a
+    2-block vision tower: hidden 32, 2 heads, patch 8, temporal patch 2, spatial merge 2 (a 32 x 32 image gives 4
+    text-side tokens), an 8 x 8 learned position grid, output width 64. ``vocab_size`` and the placeholder ids
+    (``image_token_id``, ``video_token_id``, ``vision_start_token_id``, ``vision_end_token_id``; default: the last
+    four ids) come from the tokenizer at run time.
+    """
+    from transformers import Qwen3_5Config
+
+    text = tiny_qwen35_config(vocab_size).to_dict()
+    fields = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
+    defaults = {name: vocab_size - 4 + i for i, name in enumerate(fields)}
+    return Qwen3_5Config(
+        text_config=text,
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=text["hidden_size"],
+            patch_size=8,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+            num_position_embeddings=64,
+        ),
+        tie_word_embeddings=True,
+        **{**defaults, **token_ids},
+    )
+
+
+PRESETS = {
+    "tiny-qwen3_5": tiny_qwen35_config,
+    "tiny-nemotron_h": tiny_nemotron_h_config,
+    "tiny-qwen3_5-vl": tiny_qwen35_vl_config,
+}
+
+
+def is_vision_language(hf_config) -> bool:
+    """Whether a transformers config is a Qwen3.5-VL one (a vision tower beside the text model)."""
+    return hf_config.model_type in _VL_MODEL_TYPES and getattr(hf_config, "vision_config", None) is not None
 
 
 def model_family(hf_config) -> str:
@@ -214,11 +260,12 @@ class ModelConfig(_Section):
         description="A config.json (or a folder holding one) to build a randomly initialized model from; "
         "exclusive with `path`.",
     )
-    preset: Literal["tiny-qwen3_5", "tiny-nemotron_h"] | None = Field(
+    preset: Literal["tiny-qwen3_5", "tiny-nemotron_h", "tiny-qwen3_5-vl"] | None = Field(
         "tiny-qwen3_5",
         description="Built-in model config, used when neither `path` nor `config` is set: 'tiny-qwen3_5' is a "
         "4-layer hybrid (3 GDN + 1 attention), 'tiny-nemotron_h' a 5-layer Nemotron-H (Mamba-2, attention, MLP, "
-        "MoE); both take the vocabulary of the tokenizer.",
+        "MoE), 'tiny-qwen3_5-vl' the tiny hybrid with a 2-block Qwen3.5 vision tower; all take the vocabulary "
+        "(and the VL one the image token ids) of the tokenizer.",
     )
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32",
@@ -237,6 +284,12 @@ class ModelConfig(_Section):
     activation_checkpointing: bool = Field(
         False, description="Recompute each decoder layer in backward instead of keeping its activations."
     )
+    vision_cp: Literal["shard", "replicate"] = Field(
+        "shard",
+        description="VL models: how the CP ranks of a row share the vision tower. 'shard': each encodes a subset "
+        "of the row's images balanced by patch count and the embeddings are all-gathered; 'replicate': every rank "
+        "encodes every image. Same numbers; 'shard' divides the vision time and memory by up to cp.",
+    )
     compile: bool = Field(
         False,
         description="torch.compile the collective-free parts of each decoder layer (norms, MLP/MoE, the token "
@@ -247,14 +300,21 @@ class ModelConfig(_Section):
 class DataConfig(_Section):
     """``[data]``: the chat dataset, its tokenizer and the packed rows."""
 
-    path: str = Field(
-        str(SHIPPED_DATA),
-        description="Chat dataset, JSONL or Parquet, one {'messages': [...]} per row; default: the shipped tiny set.",
+    path: str | None = Field(
+        None,
+        description="Chat dataset, JSONL or Parquet, one {'messages': [...]} per row (message contents may mix "
+        "text and image parts for VL models); unset: the shipped tiny set (text, or the tiny image set for a VL "
+        "model).",
     )
-    tokenizer: str = Field(
-        str(SHIPPED_TOKENIZER),
-        description="Tokenizer folder (tokenizer.json with a chat template); default: the shipped tiny tokenizer. "
-        "For a checkpoint, usually its own folder.",
+    tokenizer: str | None = Field(
+        None,
+        description="Tokenizer folder (tokenizer.json with a chat template); for a checkpoint, usually its own "
+        "folder; unset: the shipped tiny tokenizer (the tiny VL processor's for a VL model).",
+    )
+    processor: str | None = Field(
+        None,
+        description="Image processor folder (preprocessor_config.json of transformers' Qwen2-VL image processor) "
+        "for datasets with images; unset: the tokenizer folder when it holds one.",
     )
     seq_len: int = Field(
         256, gt=0, description="Tokens per packed row (S); each of the cp ranks holds seq_len / cp of them."
@@ -435,6 +495,32 @@ class TrainConfig(_Section):
     )
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics and logs ([logging]).")
     output_dir: str = Field("outputs", description="Run folder: checkpoints, metrics, the exported model.")
+
+    @property
+    def vision_language(self) -> bool:
+        """Whether the model is a vision-language one (its config has a vision tower); False if it cannot be read."""
+        try:
+            return is_vision_language(resolve_model_config(self.model))
+        except ConfigError:
+            return False
+
+    @property
+    def data_path(self) -> str:
+        """``data.path``, or the shipped tiny dataset (the image one for a VL model)."""
+        return self.data.path or str(SHIPPED_VL_DATA if self.vision_language else SHIPPED_DATA)
+
+    @property
+    def tokenizer_path(self) -> str:
+        """``data.tokenizer``, or the shipped tiny tokenizer (the tiny VL processor's for a VL model)."""
+        return self.data.tokenizer or str(SHIPPED_VL_PROCESSOR if self.vision_language else SHIPPED_TOKENIZER)
+
+    @property
+    def processor_path(self) -> str | None:
+        """``data.processor``, or the tokenizer folder when it holds an image processor config, else None."""
+        if self.data.processor:
+            return self.data.processor
+        folder = Path(self.tokenizer_path)
+        return str(folder) if (folder / "preprocessor_config.json").is_file() else None
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -621,11 +707,12 @@ def _model_source(model: ModelConfig) -> str:
     return f"model.preset={model.preset!r}"
 
 
-def resolve_model_config(model: ModelConfig, vocab_size: int | None = None):
+def resolve_model_config(model: ModelConfig, vocab_size: int | None = None, token_ids: Mapping[str, int] | None = None):
     """The transformers config ``model`` names: the checkpoint's, the config file's, or the preset's.
 
     A VL (``qwen3_5``) config is returned whole; use ``cp_models.load_text_config`` for its text part.
-    ``vocab_size`` sets the preset's vocabulary (checkpoints and config files keep their own).
+    ``vocab_size`` sets the preset's vocabulary and ``token_ids`` the VL preset's placeholder ids (checkpoints and
+    config files keep their own).
     Raises :class:`ConfigError` naming the field when the file is missing, unreadable or of an unsupported
     model type.
     """
@@ -641,7 +728,10 @@ def resolve_model_config(model: ModelConfig, vocab_size: int | None = None):
     if model.path is None and model.config is None:
         if model.preset is None:
             raise ConfigError("model: set one of model.path, model.config or model.preset")
-        return PRESETS[model.preset](**({} if vocab_size is None else {"vocab_size": vocab_size}))
+        kwargs = {} if vocab_size is None else {"vocab_size": vocab_size}
+        if model.preset.endswith("-vl") and token_ids:
+            kwargs.update(token_ids)
+        return PRESETS[model.preset](**kwargs)
 
     given = Path(model.path if model.path is not None else model.config)
     file = given / "config.json" if given.is_dir() else given
@@ -681,7 +771,7 @@ def _check_model(cfg: TrainConfig) -> list[str]:
     family = model_family(hf)
     style = par.resolve_cp_style(family)
 
-    is_vl = hf.model_type in _VL_MODEL_TYPES or getattr(hf, "vision_config", None) is not None
+    is_vl = is_vision_language(hf)
     if is_vl and style != "ulysses":
         problems.append(
             f"parallel.cp_style={par.cp_style!r}: {source} is a vision-language config (model_type "
@@ -804,11 +894,21 @@ def check_config(cfg: TrainConfig) -> list[str]:
             problems.append("train.lora.targets=[]: must name at least one linear layer when train.lora.enabled=true")
 
     for field_name, value, kind in (
-        ("data.path", data.path, "file or folder"),
-        ("data.tokenizer", data.tokenizer, "folder"),
+        ("data.path", cfg.data_path, "file or folder"),
+        ("data.tokenizer", cfg.tokenizer_path, "folder"),
     ):
         if not Path(value).exists():
             problems.append(f"{field_name}={value!r}: no such {kind}")
+    if data.processor is not None:
+        if not (Path(data.processor) / "preprocessor_config.json").is_file():
+            problems.append(
+                f"data.processor={data.processor!r}: not a folder holding an image processor's preprocessor_config.json"
+            )
+        if not cfg.vision_language:
+            problems.append(
+                f"data.processor={data.processor!r} is set but {_model_source(cfg.model)} is a text-only model; "
+                "images need a Qwen3.5-VL model (model.preset = 'tiny-qwen3_5-vl', or a VL checkpoint)"
+            )
     resume = cfg.checkpoint.resume
     if isinstance(resume, str) and not Path(resume).exists():
         problems.append(f"checkpoint.resume={resume!r}: no such checkpoint (use true to resume from the latest)")

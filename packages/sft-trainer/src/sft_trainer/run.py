@@ -67,7 +67,39 @@ def _device_and_backend(cfg) -> tuple[torch.device, str]:
     return torch.device("cpu"), backend
 
 
-def build_model(cfg, vocab_size: int, device: torch.device, mesh, topology: CPTopology):
+# VL config field -> the placeholder's name in sft_trainer.data.VisionTokens
+VISION_TOKEN_FIELDS = {
+    "image_token_id": "image_pad",
+    "video_token_id": "video_pad",
+    "vision_start_token_id": "vision_start",
+    "vision_end_token_id": "vision_end",
+}
+
+
+def vision_token_ids(tokenizer) -> dict[str, int]:
+    """The ids of Qwen3.5-VL's vision placeholder tokens in ``tokenizer`` (config field -> id), those it has."""
+    from sft_trainer.data import VisionTokens
+
+    ids = VisionTokens().ids(tokenizer)
+    return {field: ids[name] for field, name in VISION_TOKEN_FIELDS.items() if name in ids}
+
+
+def check_vision_tokens(hf_config, tokenizer) -> None:
+    """A VL model's placeholder ids must be the tokenizer's (else images would land on the wrong tokens)."""
+    from sft_trainer.data import VisionTokens
+
+    ids = vision_token_ids(tokenizer)
+    wrong = [
+        f"{field}={getattr(hf_config, field)} but the tokenizer's "
+        f"{getattr(VisionTokens(), VISION_TOKEN_FIELDS[field])} is {ids.get(field, 'absent')}"
+        for field in ("image_token_id", "vision_start_token_id")
+        if ids.get(field) != getattr(hf_config, field)
+    ]
+    if wrong:
+        raise SystemExit(f"sft-train: the tokenizer does not match the VL model: {'; '.join(wrong)}")
+
+
+def build_model(cfg, tokenizer, device: torch.device, mesh, topology: CPTopology):
     """The model, ready to train: built (or loaded), activation checkpointing, CP topology, LoRA, compile, FSDP2."""
     from cp_models import (
         NemotronHForCausalLM,
@@ -75,18 +107,23 @@ def build_model(cfg, vocab_size: int, device: torch.device, mesh, topology: CPTo
         apply_activation_checkpointing,
         set_context_parallel_attributes,
     )
-    from sft_trainer.config import model_family, resolve_model_config
+    from cp_vlm import Qwen35VLForConditionalGeneration
+    from sft_trainer.config import is_vision_language, model_family, resolve_model_config
     from sft_trainer.parallelize import apply_compile, apply_fsdp
 
     compute_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
     # FSDP keeps fp32 master weights and casts the gathered parameters; replicas are cast as a whole.
     storage_dtype = torch.float32 if cfg.parallel.fsdp else compute_dtype
-    hf_config = resolve_model_config(cfg.model, vocab_size=vocab_size)
+    hf_config = resolve_model_config(cfg.model, vocab_size=len(tokenizer), token_ids=vision_token_ids(tokenizer))
     family = model_family(hf_config)
+    vision = is_vision_language(hf_config)
     kwargs = dict(attention_backend=cfg.model.attention_backend, recurrent_backend=cfg.model.recurrent_backend)
     model_class = Qwen35ForCausalLM
     if family == "nemotron_h":
         model_class, kwargs["mamba_cp_style"] = NemotronHForCausalLM, cfg.parallel.resolve_cp_style(family)
+    elif vision:
+        check_vision_tokens(hf_config, tokenizer)
+        model_class, kwargs["vision_cp"] = Qwen35VLForConditionalGeneration, cfg.model.vision_cp
     if cfg.model.path:
         model = model_class.from_pretrained(cfg.model.path, dtype=storage_dtype, **kwargs)
     else:  # random init from a config file or the preset (the preset takes the tokenizer's vocabulary)
@@ -94,6 +131,8 @@ def build_model(cfg, vocab_size: int, device: torch.device, mesh, topology: CPTo
         model = model_class(hf_config, **kwargs).to(storage_dtype)
     if cfg.model.activation_checkpointing:
         apply_activation_checkpointing(model)
+        if vision:
+            apply_activation_checkpointing(model, model.vision_blocks())
     set_context_parallel_attributes(model, topology.group, topology.rank, topology.size)
     if cfg.train.lora.enabled:
         from sft_trainer.lora import apply_lora
@@ -129,8 +168,13 @@ def worker(cfg) -> dict[str, Any]:
         topology = CPTopology.from_mesh(mesh, "cp")
         dp_group = mesh.get_group("dp")
         world_group = dist.group.WORLD
-        tokenizer = AutoTokenizer.from_pretrained(cfg.data.tokenizer)
-        model = build_model(cfg, len(tokenizer), device, mesh, topology)
+        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
+        image_processor = None
+        if cfg.vision_language and cfg.processor_path:
+            from sft_trainer.data import load_image_processor
+
+            image_processor = load_image_processor(cfg.processor_path)
+        model = build_model(cfg, tokenizer, device, mesh, topology)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(
             params, lr=cfg.train.lr, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay
@@ -139,7 +183,7 @@ def worker(cfg) -> dict[str, Any]:
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: lr_lambda(s, warmup, steps, cfg.train.decay, cfg.train.min_lr_ratio)
         )
-        rows, data_stats = build_training_rows(cfg, tokenizer, group=topology.group)
+        rows, data_stats = build_training_rows(cfg, tokenizer, image_processor=image_processor, group=topology.group)
         my_rows = rows[mesh.get_local_rank("dp") :: dp]
         if not my_rows:
             raise SystemExit(f"no packed rows for dp rank {mesh.get_local_rank('dp')} ({len(rows)} rows for dp={dp})")
@@ -171,6 +215,7 @@ def worker(cfg) -> dict[str, Any]:
                 cfg.train.max_grad_norm,
                 device,
                 sharded=cfg.parallel.fsdp,
+                whole_rows=cfg.vision_language,
             )
             seconds = time.perf_counter() - started
             losses.append(loss)
@@ -203,6 +248,8 @@ def worker(cfg) -> dict[str, Any]:
             export_model(cfg, model, export_dir)  # collective: gathers the full weights onto rank 0
             if rank == 0:
                 tokenizer.save_pretrained(export_dir)
+                if image_processor is not None:
+                    image_processor.save_pretrained(export_dir)
             dist.barrier()
         if rank == 0:
             print(f"[sft-train] checkpoints: {ckpt_dir}", flush=True)
@@ -299,15 +346,20 @@ def start_wandb(cfg):
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``sft-train [--config FILE.toml] [--section.key VALUE ...]``: validate the config, then train."""
+    """``sft-train [--config FILE.toml] [--section.key VALUE ...]``: validate the config, then train.
+
+    ``--config`` may stand anywhere among the overrides; the overrides apply on top of it, in order."""
     from sft_trainer.config import ConfigError, load_config
 
-    argv = sys.argv[1:] if argv is None else argv
+    argv = list(sys.argv[1:] if argv is None else argv)
     path = None
-    if argv[:1] == ["--config"] and len(argv) > 1:
-        path, argv = argv[1], argv[2:]
-    elif argv and argv[0].startswith("--config="):
-        path, argv = argv[0].split("=", 1)[1], argv[1:]
+    for i, token in enumerate(argv):  # --config FILE (or --config=FILE), anywhere among the overrides
+        if token == "--config" and i + 1 < len(argv):
+            path, argv = argv[i + 1], argv[:i] + argv[i + 2 :]
+            break
+        if token.startswith("--config="):
+            path, argv = token.split("=", 1)[1], argv[:i] + argv[i + 1 :]
+            break
     try:
         cfg = load_config(path, argv)
         world_layout(cfg)  # the process layout must fit before anything starts

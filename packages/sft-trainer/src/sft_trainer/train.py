@@ -78,10 +78,13 @@ def train_step(
     max_grad_norm: float,
     device: torch.device,
     sharded: bool = False,
+    whole_rows: bool = False,
 ) -> tuple[float, int, float, bool]:
     """One optimizer step over ``rows`` (the grad-accumulation micro-batches of this dp replica).
 
     ``sharded``: the model is FSDP2-sharded and its backward already summed the gradients over the world.
+    ``whole_rows``: the model takes the whole row and shards it itself (the VL model, which needs the whole row
+    for its images and 3-D positions); otherwise each rank feeds its shard of the ids and labels.
 
     Returns (global mean token loss, global loss tokens, grad norm, skipped). A non-finite loss or gradient on
     any rank skips the step on every rank.
@@ -90,9 +93,18 @@ def train_step(
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     params = [p for p in model.parameters() if p.requires_grad]
     for row in rows:
-        ids = shard_sequence(row["input_ids"].to(device), topology, 0)
-        labels = shard_sequence(row["labels"].to(device), topology, 0)
-        out = model(ids, row["seq_lens"], labels=labels)
+        if whole_rows:  # host tensors: the model checks the row and builds positions there
+            out = model(
+                row["input_ids"],
+                row["seq_lens"],
+                labels=row["labels"],
+                pixel_values=row["pixel_values"],
+                image_grid_thw=row["image_grid_thw"],
+            )
+        else:
+            ids = shard_sequence(row["input_ids"].to(device), topology, 0)
+            labels = shard_sequence(row["labels"].to(device), topology, 0)
+            out = model(ids, row["seq_lens"], labels=labels)
         local = -out.token_log_probs.sum()
         (local / max(tokens, 1)).backward()
         loss_sum += local.detach().double()
