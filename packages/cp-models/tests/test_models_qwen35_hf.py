@@ -55,7 +55,12 @@ BASE = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
-BASE_ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0]}
+BASE_ROPE = {
+    "rope_type": "default",
+    "rope_theta": 10_000_000.0,
+    "partial_rotary_factor": 0.25,
+    "mrope_section": [1, 1, 0],
+}
 MOE = dict(moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=4, num_experts_per_tok=2)
 
 # name -> (moe?, config overrides, packed document lengths). Every row holds a document of 1-3 tokens.
