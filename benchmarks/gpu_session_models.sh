@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_session_models.sh tests    # kernel agreement tests, SSD kernel choice, vision CP
 #   bash benchmarks/gpu_session_models.sh qwen35   # Qwen3.5-0.8B step vs transformers, same process
 #   bash benchmarks/gpu_session_models.sh nemotron # Nemotron-H Mamba layer shares and model vs transformers
+#   bash benchmarks/gpu_session_models.sh long     # Qwen3.5-0.8B with activation checkpointing at 128k and 256k
 # Logs and tables land under $OUT.
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$(ls -d "$PWD"/packages/*/src | paste -sd:)
@@ -26,5 +27,10 @@ case "${1:-tests}" in
     ;;
   nemotron)
     timeout 560 python3 benchmarks/nemotron_mamba_cp.py speed --out "$OUT" --reps 3 2>&1 | tee "$OUT/nemotron_speed.log" | tail -30
+    ;;
+  long)
+    mkdir -p "$OUT/long"
+    timeout 560 python3 benchmarks/qwen35_step.py --out "$OUT/long" --seq-lens 131072 262144 \
+      --variants "cp_models + act. ckpt" 2>&1 | tee "$OUT/long/qwen35_long.log" | tail -8
     ;;
 esac
