@@ -28,6 +28,16 @@ case "${1:-tests}" in
   nemotron)
     timeout 560 python3 benchmarks/nemotron_mamba_cp.py speed --out "$OUT" --reps 3 2>&1 | tee "$OUT/nemotron_speed.log" | tail -30
     ;;
+  rerun)  # the GPU tests alone, then the Qwen3.5 step and the Nemotron-H speed, each with its own time limit
+    timeout 270 python3 -m pytest -v -s -p no:cacheprovider --durations=0 \
+      packages/cp-models/tests/test_models_nemotron_h_gpu.py "packages/cp-models/tests/test_models_qwen35_gpu.py::test_moe_grouped_gemm_matches_loop" \
+      2>&1 | tee "$OUT/models_gpu_tests2.log" | grep -E "PASS|FAIL|ERROR|rel|moe|kernel_agreement|passed|failed|s call"
+    ;;
+  steps)
+    timeout 330 python3 benchmarks/qwen35_step.py --out "$OUT" --seq-lens 8192 32768 \
+      --variants cp_models "cp_models + act. ckpt" transformers "transformers + grad. ckpt" 2>&1 | tee "$OUT/qwen35_step.log" | tail -12
+    timeout 230 python3 benchmarks/nemotron_mamba_cp.py speed --out "$OUT" --reps 3 2>&1 | tee "$OUT/nemotron_speed.log" | tail -24
+    ;;
   long)
     mkdir -p "$OUT/long"
     timeout 560 python3 benchmarks/qwen35_step.py --out "$OUT/long" --seq-lens 131072 262144 \

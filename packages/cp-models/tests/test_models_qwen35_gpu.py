@@ -43,11 +43,11 @@ def test_fast_kernels_match_torch_path():
     ids = torch.randint(0, config.vocab_size, (sum(lens),), device="cuda")
 
     def make(backend):
-        if backend == "fast":
-            return Qwen35ForCausalLM(config).cuda()
-        return Qwen35ForCausalLM(config, attention_backend="torch", recurrent_backend="torch").cuda()
+        kwargs = {} if backend == "fast" else dict(attention_backend="torch", recurrent_backend="torch")
+        with torch.device("cuda"):
+            return Qwen35ForCausalLM(config, **kwargs)
 
-    result = kernel_agreement(make, lambda model: model(ids, lens, return_logits=True).logits)
+    result = kernel_agreement(make, lambda model: model(ids, lens, return_logits=True).logits, log=print)
     print(result)
     assert result.output < 3e-2
     assert result.fast_vs_fp32 <= 1.25 * result.reference_vs_fp32
@@ -69,7 +69,8 @@ def test_moe_grouped_gemm_matches_loop():
     )
     torch.manual_seed(0)
     block = Qwen35SparseMoeBlock(config).cuda().to(torch.bfloat16)
-    torch.nn.init.normal_(block.gate.weight, std=0.02)
+    for p in block.parameters():  # the stacked experts are created empty (the model's init_weights fills them)
+        torch.nn.init.normal_(p, std=0.02)
     x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     weights, experts = block.gate(x)
     grads = {}

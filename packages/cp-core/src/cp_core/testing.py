@@ -490,6 +490,7 @@ def kernel_agreement(
     forward: Callable[[torch.nn.Module], torch.Tensor],
     dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
+    log: Callable[[str], None] | None = None,
 ) -> KernelAgreement:
     """Compare a model on its fast kernels with the same weights on the reference (torch) paths.
 
@@ -498,9 +499,16 @@ def kernel_agreement(
     model. ``forward(model)`` returns the output to compare; the same random output gradient is back-propagated
     through all three.
     """
+    started = time.perf_counter()
+
+    def note(what: str) -> None:
+        if log is not None:
+            log(f"[kernel_agreement] {what} at {time.perf_counter() - started:.1f} s")
+
     torch.manual_seed(seed)
     fp32 = make_model("reference")
     reference, fast = make_model("reference"), make_model("fast")
+    note("models built")
     for model in (reference, fast):
         model.load_state_dict(fp32.state_dict())
         model.to(dtype)
@@ -513,6 +521,7 @@ def kernel_agreement(
             upstream = torch.randn(out.shape, device=out.device, generator=generator)
         (out * upstream).sum().backward()
         outputs[name] = out.detach()
+        note(f"{name} forward + backward done")
     ref_params = dict(reference.named_parameters())
     grads = {n: relative_l2(p.grad, ref_params[n].grad) for n, p in fast.named_parameters() if p.grad is not None}
     return KernelAgreement(
