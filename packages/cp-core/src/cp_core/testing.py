@@ -464,13 +464,25 @@ class KernelAgreement:
 
     ``output``: fast vs reference output; ``fast_vs_fp32`` / ``reference_vs_fp32``: each low-precision output
     against the fp32 run (the fast path should be no worse than the reference in the same dtype);
-    ``grads``: fast vs reference parameter gradient, by name.
+    ``grads``: fast vs reference parameter gradient, by name; ``grads_fast_vs_fp32`` /
+    ``grads_reference_vs_fp32``: each low-precision gradient against the fp32 run's, by name.
     """
 
     output: float
     fast_vs_fp32: float
     reference_vs_fp32: float
     grads: dict[str, float]
+    grads_fast_vs_fp32: dict[str, float] = field(default_factory=dict)
+    grads_reference_vs_fp32: dict[str, float] = field(default_factory=dict)
+
+    def grads_worse_than_reference(self, factor: float = 1.25, slack: float = 1e-2) -> dict[str, tuple[float, float]]:
+        """Parameters whose fast gradient is further from fp32 than ``factor`` x the reference's (+ ``slack``):
+        name -> (fast vs fp32, reference vs fp32). Empty when the fast path is as good as the reference dtype."""
+        return {
+            name: (err, self.grads_reference_vs_fp32[name])
+            for name, err in self.grads_fast_vs_fp32.items()
+            if err > factor * self.grads_reference_vs_fp32[name] + slack
+        }
 
     @property
     def worst_grad(self) -> tuple[str, float]:
@@ -522,13 +534,15 @@ def kernel_agreement(
         (out * upstream).sum().backward()
         outputs[name] = out.detach()
         note(f"{name} forward + backward done")
-    ref_params = dict(reference.named_parameters())
-    grads = {n: relative_l2(p.grad, ref_params[n].grad) for n, p in fast.named_parameters() if p.grad is not None}
+    ref_params, fp32_params = dict(reference.named_parameters()), dict(fp32.named_parameters())
+    with_grad = [(n, p) for n, p in fast.named_parameters() if p.grad is not None]
     return KernelAgreement(
         output=relative_l2(outputs["fast"], outputs["reference"]),
         fast_vs_fp32=relative_l2(outputs["fast"], outputs["fp32"]),
         reference_vs_fp32=relative_l2(outputs["reference"], outputs["fp32"]),
-        grads=grads,
+        grads={n: relative_l2(p.grad, ref_params[n].grad) for n, p in with_grad},
+        grads_fast_vs_fp32={n: relative_l2(p.grad, fp32_params[n].grad) for n, p in with_grad},
+        grads_reference_vs_fp32={n: relative_l2(ref_params[n].grad, fp32_params[n].grad) for n, p in with_grad},
     )
 
 
