@@ -17,15 +17,14 @@ for state passing: every rank passes state and halo), taking the largest count o
   stand-ins returning the same shapes and dtypes); the torch CPU path of the real scan is far too slow at 128k.
   Both tiers must agree at the short row, and every row must equal the closed form of docs/cp-models.md.
 speed: forward + backward of one rank's share on one GPU (the real mixer on a fake process group, so the
-collectives cost nothing and their bytes are added as bytes / link bandwidth), and a 6-layer Nano-shaped model vs
-transformers' NemotronHForCausalLM at 32k tokens.
+collectives cost nothing and their bytes are added as bytes / link bandwidth). The whole-model comparison with
+transformers is benchmarks/model_step.py (shape nemotron_h-nano-8l).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import importlib
 import json
 import time
@@ -354,68 +353,27 @@ def layer_share_ms(config, style: str, seq_len: int, cp: int, device: str, reps:
             dist.destroy_process_group()
 
 
-def model_step(which: str, config, seq_len: int, device: str, reps: int) -> dict:
-    """Tokens/s and peak memory of forward + backward (loss from labels) of a whole model on one device, no CP."""
-    torch.manual_seed(0)
-    if which == "cp_models":
-        from cp_models import NemotronHForCausalLM
-
-        with torch.device(device):  # initialize on the device (the two MoE layers hold ~2.5B parameters)
-            model = NemotronHForCausalLM(config).to(torch.bfloat16)
-    else:
-        from transformers import NemotronHForCausalLM as HFNemotronH
-
-        with torch.device(device):
-            model = HFNemotronH(config).to(torch.bfloat16)
-    ids = torch.randint(0, config.vocab_size, (seq_len,), device=device)
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        if which == "cp_models":
-            out = model(ids, [seq_len], labels=ids)
-            loss = -out.token_log_probs.sum() / seq_len
-        else:
-            loss = model(input_ids=ids[None], labels=ids[None]).loss
-        loss.backward()
-
-    row = {"model": which, "seq_len": seq_len, "ms": None, "tokens_per_s": None, "peak_gib": None}
-    try:
-        ms, peak = _median_ms(step, _Timer(device), reps)
-        row.update(ms=ms, tokens_per_s=seq_len / ms * 1000, peak_gib=peak)
-    except torch.cuda.OutOfMemoryError:
-        row["ms"] = "OOM"
-    step = model = None  # free it before the next model
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    print(row, flush=True)
-    return row
-
-
 def run_speed(args) -> None:
     base = TINY if args.tiny else NANO
-    seq_len = args.seq_len or (256 if args.tiny else 32768)
+    seq_lens = args.seq_lens or ([256, 512] if args.tiny else [8192, 32768, 131072])
     cps = [c for c in (1, 2, 4, 8) if base["mamba_num_heads"] % c == 0]
     layer_config = make_config("M", **{k: v for k, v in base.items() if k not in NANO or NANO[k] != v})
     reps = 1 if args.tiny else args.reps
     layer_rows = []
-    for style in STYLES:
-        for cp in cps:
-            ms, peak = layer_share_ms(layer_config, style, seq_len, cp, args.device, reps)
-            comm = closed_form(layer_config, style, seq_len, cp) if cp > 1 else 0
-            comm_ms = comm / NVLINK_GBPS / 1e6
-            row = dict(style=style, seq_len=seq_len, cp=cp, compute_ms=ms, peak_gib=peak, bytes=comm, comm_ms=comm_ms)
-            row["est_total_ms"] = ms + comm_ms
-            layer_rows.append(row)
-            print(row, flush=True)
-    model_config = make_config(args.pattern, **{k: v for k, v in base.items() if k not in NANO or NANO[k] != v})
-    model_rows = [model_step(w, model_config, seq_len, args.device, reps) for w in ("cp_models", "transformers")]
+    for style, seq_len, cp in ((st, s, c) for st in STYLES for s in seq_lens for c in cps):
+        ms, peak = layer_share_ms(layer_config, style, seq_len, cp, args.device, reps)
+        comm = closed_form(layer_config, style, seq_len, cp) if cp > 1 else 0
+        comm_ms = comm / NVLINK_GBPS / 1e6
+        row = dict(style=style, seq_len=seq_len, cp=cp, compute_ms=ms, peak_gib=peak, bytes=comm, comm_ms=comm_ms)
+        row["est_total_ms"] = ms + comm_ms
+        layer_rows.append(row)
+        print(row, flush=True)
 
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     lines = [
         f"# Nemotron-H Nano Mamba-2 under CP: one rank's share on one device ({device_name}, bf16)",
         "",
-        f"S = {seq_len} tokens, one document. Layer rows: forward + backward of the real `NemotronHMamba2Mixer` as",
+        f"S = {', '.join(map(str, seq_lens))} tokens, one document. Layer rows: forward + backward of the real `NemotronHMamba2Mixer` as",
         "one rank of a `fake` process group (its collectives cost nothing here): state passing runs S/cp tokens",
         "(conv halo, SSD correction, in_proj / gated norm / out_proj included), a2a runs in_proj, norm and out_proj",
         "on S/cp tokens and conv + scan on S tokens for 64/cp heads. est. comm = closed-form bytes (measured equal",
@@ -424,31 +382,23 @@ def run_speed(args) -> None:
         "",
         "Reproduce: `python benchmarks/nemotron_mamba_cp.py speed --out DIR`",
         "",
-        "| strategy | cp | compute ms | peak GiB | MiB sent | est. comm ms | est. total ms |",
-        "|---|---|---|---|---|---|---|",
+        "| strategy | S | cp | compute ms | peak GiB | MiB sent | est. comm ms | est. total ms |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in layer_rows:
         lines.append(
-            f"| {r['style']} | {r['cp']} | {r['compute_ms']:.2f} | {r['peak_gib']:.2f} | {r['bytes'] / 2**20:.2f} "
+            f"| {r['style']} | {r['seq_len']} | {r['cp']} | {r['compute_ms']:.2f} | {r['peak_gib']:.2f} | {r['bytes'] / 2**20:.2f} "
             f"| {r['comm_ms']:.3f} | {r['est_total_ms']:.2f} |"
         )
     lines += [
         "",
-        f"Whole model, pattern `{args.pattern}` at {'tiny' if args.tiny else 'Nano'} widths (no CP, one device): forward + backward with the loss",
-        "from labels (ours: chunked log-probs, no [S, vocab] logits; transformers: `.loss`).",
-        "",
-        "| model | S | ms | tokens/s | peak GiB |",
-        "|---|---|---|---|---|",
+        "The whole model (Nano widths, first 8 layers) against transformers' NemotronHForCausalLM in the same run:",
+        "[model_step.md](model_step.md), shape `nemotron_h-nano-8l`.",
     ]
-    for r in model_rows:
-        ms = r["ms"] if isinstance(r["ms"], str) else f"{r['ms']:.1f}"
-        tps = "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}"
-        peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
-        lines.append(f"| {r['model']} | {r['seq_len']} | {ms} | {tps} | {peak} |")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "nemotron_mamba_cp_speed.md").write_text("\n".join(lines) + "\n")
     (args.out / "nemotron_mamba_cp_speed.json").write_text(
-        json.dumps({"device": device_name, "layer": layer_rows, "model": model_rows}, indent=1)
+        json.dumps({"device": device_name, "layer": layer_rows}, indent=1)
     )
     print(f"wrote {args.out / 'nemotron_mamba_cp_speed.md'}")
 
@@ -473,8 +423,7 @@ def main() -> None:
     s.add_argument("--out", type=Path, default=Path("."))
     s.add_argument("--device", default="cuda")
     s.add_argument("--tiny", action="store_true", help="tiny widths and length (CPU debugging of this path)")
-    s.add_argument("--seq-len", type=int, default=None, help="default 32768 (256 with --tiny)")
-    s.add_argument("--pattern", default="MEMEM*", help="hybrid_override_pattern of the whole-model run")
+    s.add_argument("--seq-lens", type=int, nargs="+", default=None, help="default 8k 32k 128k (256 512 with --tiny)")
     s.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
     if args.what == "bytes":

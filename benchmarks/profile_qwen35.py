@@ -2,7 +2,7 @@
 
     python benchmarks/profile_qwen35.py [--seq-len 8192] [--out DIR]
 
-Same model shape and step as benchmarks/qwen35_step.py. Writes profile_<model>.txt (kernels by self CUDA time) and
+Same model shape and step as benchmarks/model_step.py (shape qwen3_5-0.8b). Writes profile_<model>.txt (kernels by self CUDA time) and
 a summary of CUDA time by kernel family to --out, and prints the summary.
 """
 
@@ -15,7 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from qwen35_step import CONFIG, _step_hf, _step_ours
+from model_step import build, load_shape
 from torch.profiler import ProfilerActivity, profile
 
 FAMILIES = [  # first match wins
@@ -38,15 +38,15 @@ def family(name: str) -> str:
     return "other"
 
 
-def profile_step(model, step, seq_len: int):
-    ids = torch.randint(0, CONFIG["vocab_size"], (seq_len,), device="cuda")
+def profile_step(model, step, vocab_size: int, seq_len: int):
+    ids = torch.randint(0, vocab_size, (seq_len,), device="cuda")
     for _ in range(2):
         model.zero_grad(set_to_none=True)
-        step(model, ids, ids.clone(), seq_len)
+        step(ids)
     torch.cuda.synchronize()
     model.zero_grad(set_to_none=True)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step(model, ids, ids.clone(), seq_len)
+        step(ids)
         torch.cuda.synchronize()
     return prof
 
@@ -64,25 +64,16 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--out", type=Path, default=Path("/tmp/profile"))
     args = parser.parse_args()
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-    from cp_models import Qwen35ForCausalLM
-
     args.out.mkdir(parents=True, exist_ok=True)
-    config = Qwen3_5TextConfig(**CONFIG)
-    config._attn_implementation = "sdpa"
+    config = load_shape("qwen3_5-0.8b")
     summaries = {}
-    for name in ("ours", "transformers"):
-        torch.manual_seed(0)
-        if name == "ours":
-            model, step = Qwen35ForCausalLM(config).to("cuda", torch.bfloat16), _step_ours
-        else:
-            model, step = Qwen3_5ForCausalLM(config).to("cuda", torch.bfloat16), _step_hf
-        prof = profile_step(model, step, args.seq_len)
+    for name, variant in (("ours", "cp_models"), ("transformers", "transformers")):
+        model, step = build(variant, config, "cuda")
+        prof = profile_step(model, step, config.vocab_size, args.seq_len)
         table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=90)
         (args.out / f"profile_{name}.txt").write_text(table)
         summaries[name] = summarize(prof)
-        del model, prof
+        del model, step, prof
         gc.collect()
         torch.cuda.empty_cache()
     families = sorted({f for s in summaries.values() for f in s}, key=lambda f: -summaries["ours"].get(f, 0))

@@ -505,3 +505,32 @@ def test_tiny_preset_is_a_hybrid_that_runs():
     ids = torch.randint(0, 97, (24,))
     out = model(ids, [10, 14])
     assert out.logits.shape == (24, 97) and torch.isfinite(out.logits).all()
+
+
+# name -> (model_type, layers, hidden, attention q / kv heads): the public configs (REFERENCE.md)
+SHIPPED_SHAPES = {
+    "qwen3_5-0.8b": ("qwen3_5_text", 24, 1024, 8, 2),
+    "qwen3_5-2b": ("qwen3_5_text", 24, 2048, 8, 2),
+    "qwen3_5-35b-a3b": ("qwen3_5_moe_text", 40, 2048, 16, 2),
+    "nemotron_h-nano-30b-a3b": ("nemotron_h", 52, 2688, 32, 2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED_SHAPES))
+def test_shipped_model_shapes_resolve_by_name(name):
+    model_type, layers, hidden, q_heads, kv_heads = SHIPPED_SHAPES[name]
+    cfg = load_config(None, ["--model.config", name, "--data.seq_len", "8192", "--parallel.cp", "2"])
+    hf = resolve_model_config(cfg.model)
+    assert (hf.model_type, hf.num_hidden_layers, hf.hidden_size) == (model_type, layers, hidden)
+    assert (hf.num_attention_heads, hf.num_key_value_heads) == (q_heads, kv_heads)
+    if model_type == "nemotron_h":  # Nano: 23 Mamba, 6 attention, 23 MoE
+        assert sorted(hf.hybrid_override_pattern.count(c) for c in "M*E") == [6, 23, 23]
+    else:
+        assert hf.layer_types[: hf.num_hidden_layers].count("full_attention") == layers // 4
+
+
+def test_unknown_model_config_name_lists_the_shipped_shapes():
+    with pytest.raises(
+        ConfigError, match=r"does not exist \(shipped model.config shapes: nemotron_h-nano-30b-a3b, qwen"
+    ):
+        load_config(None, ["--model.config", "qwen3_5-9b"])

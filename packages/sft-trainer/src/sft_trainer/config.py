@@ -69,6 +69,8 @@ SHIPPED_DATA = _PACKAGE_DIR / "assets" / "tiny_chat.jsonl"
 SHIPPED_TOKENIZER = _PACKAGE_DIR / "assets" / "tiny_tokenizer"
 SHIPPED_VL_DATA = _PACKAGE_DIR / "assets" / "tiny_vl_chat" / "data.jsonl"
 SHIPPED_VL_PROCESSOR = _PACKAGE_DIR / "assets" / "tiny_vl_processor"
+# Public model shapes (config.json of the real models, no weights): `model.config = "qwen3_5-0.8b"` etc.
+SHIPPED_MODEL_CONFIGS = CONFIGS_DIR / "models"
 
 # Which CP styles each layer type runs under, per model family (``parallel.cp_style``; "auto" picks the first
 # style of the family). Qwen3.5: "ulysses" = softmax attention by Ulysses all-to-all, GDN by the conv halo and
@@ -257,8 +259,9 @@ class ModelConfig(_Section):
     )
     config: str | None = Field(
         None,
-        description="A config.json (or a folder holding one) to build a randomly initialized model from; "
-        "exclusive with `path`.",
+        description="A config.json (or a folder holding one) to build a randomly initialized model from, or the "
+        "name of a shipped public shape ('qwen3_5-0.8b', 'qwen3_5-2b', 'qwen3_5-35b-a3b', "
+        "'nemotron_h-nano-30b-a3b'); exclusive with `path`.",
     )
     preset: Literal["tiny-qwen3_5", "tiny-nemotron_h", "tiny-qwen3_5-vl"] | None = Field(
         "tiny-qwen3_5",
@@ -734,11 +737,15 @@ def resolve_model_config(model: ModelConfig, vocab_size: int | None = None, toke
         return PRESETS[model.preset](**kwargs)
 
     given = Path(model.path if model.path is not None else model.config)
+    if model.path is None and not given.exists() and (SHIPPED_MODEL_CONFIGS / f"{model.config}.json").is_file():
+        given = SHIPPED_MODEL_CONFIGS / f"{model.config}.json"  # a shipped shape, by name
     file = given / "config.json" if given.is_dir() else given
     if model.path is not None and not given.is_dir():
         raise ConfigError(f"{source}: not a folder; model.path is an HF checkpoint folder with a config.json")
     if not file.is_file():
-        raise ConfigError(f"{source}: {file} does not exist")
+        shapes = ", ".join(sorted(f.stem for f in SHIPPED_MODEL_CONFIGS.glob("*.json")))
+        hint = f" (shipped model.config shapes: {shapes})" if model.path is None else ""
+        raise ConfigError(f"{source}: {file} does not exist{hint}")
     try:
         raw = json.loads(file.read_text())
     except (OSError, ValueError) as exc:

@@ -1,0 +1,179 @@
+"""Simulated CP scale on one GPU: one rank's share of cp = N, on a ``fake`` process group (true shapes, no peers).
+
+    python benchmarks/simulated_scale.py --shape qwen3_5-0.8b --points 131072:1 131072:8 262144:1 ... --out DIR
+    uv run python benchmarks/simulated_scale.py --tiny --device cpu --points 512:1 512:2 1024:4 --out /tmp/x
+
+Each point S:cp builds nothing new: the model (bf16, activation checkpointing unless --no-ckpt) gets the topology of
+rank cp // 2 of a ``fake`` group of cp ranks (its collectives return at once with the right shapes and garbage
+data), then runs forward + backward of that rank's S / cp tokens of one document spanning the row (every rank
+passes recurrent state and conv halo; attention is Ulysses, so each rank computes S x heads / cp). Measured: the
+step's compute time (one step after a short warm-up at the same cp), peak allocated memory, and, under
+``cp_core.testing.CommCounter``, the bytes this rank sends (checkpointing's recomputed forward collectives
+included). Estimated: communication time = bytes / --nvlink-gbps (stated per-direction NVLink bandwidth, no
+overlap with compute, no latency), step = compute + communication. Ideal memory at cp = N: the cp = 1 run's
+activation memory / N + the static memory (weights + gradients, measured before the step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from model_step import SHAPES, build, free, load_shape, timed_steps
+
+from cp_core.testing import CommCounter
+
+NVLINK_GBPS = 450.0  # H200 NVLink 4, per direction, GB/s (1e9 bytes)
+
+
+def _topology(model, cp: int) -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from cp_models import set_context_parallel_attributes
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if cp == 1:
+        set_context_parallel_attributes(model, None, 0, 1)
+        return
+    rank = cp // 2
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cp)
+    set_context_parallel_attributes(model, dist.group.WORLD, rank, cp)
+
+
+def run(args, on_row=print) -> list[dict]:
+    config = load_shape(args.shape, args.tiny)
+    variant = "cp_models" if args.no_ckpt else "cp_models + act. ckpt"
+    model, step = build(variant, config, args.device)
+    cuda = args.device.startswith("cuda")
+    static = torch.cuda.memory_allocated() / 2**30 if cuda else None  # weights; gradients come with the step
+    params = sum(p.numel() for p in model.parameters())
+    grads_gib = params * 2 / 2**30
+    points = [tuple(int(x) for x in p.split(":")) for p in args.points]
+    rows, warmed = [], set()
+    for seq_len, cp in sorted(points, key=lambda p: (p[1], p[0])):
+        row = dict(shape=args.shape, variant=variant, seq_len=seq_len, cp=cp, local_tokens=seq_len // cp)
+        if seq_len % cp:
+            rows.append({**row, "status": "S % cp != 0"})
+            continue
+        try:
+            _topology(model, cp)
+        except Exception as exc:  # the model's own CP validation (e.g. cp not dividing the attention heads)
+            rows.append({**row, "status": f"rejected: {exc}"})
+            on_row(rows)
+            continue
+        generator = torch.Generator().manual_seed(0)
+        if cp not in warmed:  # kernels compile and autotune at the first step of each shape
+            short = max(args.warmup_tokens, cp) // cp * cp
+            ids = torch.randint(0, config.vocab_size, (short // cp,), generator=generator).to(args.device)
+            timed_steps(lambda x, s=short: step(x, [s]), ids, args.device, reps=1, warmup=1)
+            model.zero_grad(set_to_none=True)
+            warmed.add(cp)
+        ids = torch.randint(0, config.vocab_size, (seq_len // cp,), generator=generator).to(args.device)
+        counter = CommCounter(cp)
+        started = time.perf_counter()
+
+        def counted(x, s=seq_len, counter=counter):
+            with counter:
+                return step(x, [s])
+
+        result = timed_steps(counted, ids, args.device, reps=1, warmup=0, limit_s=args.limit_s)
+        row.update(result, wall_s=time.perf_counter() - started)
+        model.zero_grad(set_to_none=True)
+        if result["status"] == "ok":
+            sent = counter.total_sent_bytes
+            row.update(
+                bytes_sent=sent,
+                collectives=len(counter.records),
+                comm_ms=sent / (args.nvlink_gbps * 1e9) * 1000,
+                static_gib=None if static is None else static + grads_gib,
+            )
+            row["est_step_ms"] = row["ms"] + row["comm_ms"]
+            row["tokens_per_s_per_gpu"] = seq_len / cp / row["est_step_ms"] * 1000
+        rows.append(row)
+        on_row(rows)
+        free(args.device)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _ideal(rows)
+    return rows
+
+
+def _ideal(rows: list[dict]) -> None:
+    """Ideal per-rank memory at cp = N from the cp = 1 run at the same S: activations / N + static."""
+    base = {r["seq_len"]: r for r in rows if r["cp"] == 1 and r.get("status") == "ok" and r.get("peak_gib")}
+    for r in rows:
+        one = base.get(r["seq_len"])
+        if one is None or r.get("status") != "ok" or not r.get("peak_gib"):
+            continue
+        static = r["static_gib"]
+        r["ideal_gib"] = (one["peak_gib"] - static) / r["cp"] + static
+        r["vs_ideal"] = r["peak_gib"] / r["ideal_gib"]
+
+
+def write_table(rows: list[dict], args, device_name: str) -> str:
+    lines = [
+        f"# Simulated CP scale: one rank's share on one {device_name} ({args.shape}, bf16, "
+        f"{'no checkpointing' if args.no_ckpt else 'activation checkpointing'})",
+        "",
+        "A `fake` process group stands in for the other ranks (method in benchmarks/simulated_scale.py): compute and",
+        f"peak memory are measured; communication = bytes this rank sends (counted) / {args.nvlink_gbps:.0f} GB/s",
+        "NVLink, added without overlap. ideal = cp 1 activations / cp + weights and gradients.",
+        "",
+        f"Reproduce on the GPU machine (fla staged): `python benchmarks/simulated_scale.py {shlex.join(sys.argv[1:])}`",
+        "",
+        "| S | cp | tokens / rank | compute ms | MiB sent | comm ms | est. step ms | tokens/s/GPU | peak GiB "
+        "| ideal GiB | peak / ideal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        head = f"| {r['seq_len']} | {r['cp']} | {r['local_tokens']} "
+        if r.get("status") != "ok":
+            lines.append(head + f"| {r['status']} | | | | | | | |")
+            continue
+        peak = "-" if r.get("peak_gib") is None else f"{r['peak_gib']:.1f}"
+        ideal = f"{r['ideal_gib']:.1f} | {r['vs_ideal']:.3f}" if "ideal_gib" in r else "- | -"
+        lines.append(
+            head + f"| {r['ms']:.0f} | {r['bytes_sent'] / 2**20:.1f} | {r['comm_ms']:.1f} | {r['est_step_ms']:.0f} "
+            f"| {r['tokens_per_s_per_gpu']:.0f} | {peak} | {ideal} |"
+        )
+    text = "\n".join(lines) + "\n"
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"simulated_scale_{args.shape}"
+    (args.out / f"{stem}.md").write_text(text)
+    (args.out / f"{stem}.json").write_text(json.dumps({"device": device_name, "rows": rows}, indent=1))
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=SHAPES, default="qwen3_5-0.8b")
+    parser.add_argument("--points", nargs="+", default=["131072:1", "131072:2", "131072:4", "131072:8"],
+                        help="S:cp pairs")  # fmt: skip
+    parser.add_argument("--no-ckpt", action="store_true", help="without activation checkpointing")
+    parser.add_argument("--warmup-tokens", type=int, default=16384, help="row length of the warm-up step per cp")
+    parser.add_argument("--nvlink-gbps", type=float, default=NVLINK_GBPS)
+    parser.add_argument("--limit-s", type=float, default=200.0)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    args = parser.parse_args()
+    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
+
+    def on_row(rows):  # rewritten after every point, so a run cut short keeps what it measured
+        print(json.dumps(rows[-1]), flush=True)
+        _ideal(rows)
+        write_table(rows, args, device_name)
+
+    rows = run(args, on_row)
+    print(write_table(rows, args, device_name))
+
+
+if __name__ == "__main__":
+    main()
