@@ -348,18 +348,19 @@ def start_wandb(cfg):
 def main(argv: list[str] | None = None) -> None:
     """``sft-train [--config FILE.toml] [--section.key VALUE ...]``: validate the config, then train.
 
+    ``sft-train plan [--config FILE.toml] [--section.key VALUE ...] [--json]`` prints the run's CP traffic, memory
+    per rank and the longest row that fits instead (``sft_trainer.plan``), starting nothing.
     ``--config`` may stand anywhere among the overrides; the overrides apply on top of it, in order."""
     from sft_trainer.config import ConfigError, load_config
+    from sft_trainer.plan import split_config_argument
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    path = None
-    for i, token in enumerate(argv):  # --config FILE (or --config=FILE), anywhere among the overrides
-        if token == "--config" and i + 1 < len(argv):
-            path, argv = argv[i + 1], argv[:i] + argv[i + 2 :]
-            break
-        if token.startswith("--config="):
-            path, argv = token.split("=", 1)[1], argv[:i] + argv[i + 1 :]
-            break
+    if argv and argv[0] == "plan":
+        from sft_trainer.plan import main as plan_main
+
+        plan_main(argv[1:])
+        return
+    path, argv = split_config_argument(argv)  # --config FILE (or --config=FILE), anywhere among the overrides
     try:
         cfg = load_config(path, argv)
         world_layout(cfg)  # the process layout must fit before anything starts

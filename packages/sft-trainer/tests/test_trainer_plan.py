@@ -1,0 +1,481 @@
+"""sft_trainer.plan (``sft-train plan``): parameter counts equal the real models', the byte closed forms equal what
+the layers send on a ``fake`` process group, the longest-row solver is tight, impossible configs are refused with
+the numbers that fix them, and the CLI prints a table and JSON."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils.checkpoint import checkpoint
+
+from cp_core import build_packed_metadata
+from cp_core.testing import CommCounter
+from cp_models import (
+    ContextParallelModule,
+    NemotronHForCausalLM,
+    Qwen35ForCausalLM,
+    load_text_config,
+    set_context_parallel_attributes,
+)
+from cp_models.nemotron_h import NemotronHBlock
+from cp_models.qwen3_5 import Qwen35DecoderLayer, Qwen35Rotary
+from sft_trainer import plan
+from sft_trainer.config import (
+    LINEAR_NAMES,
+    LoraConfig,
+    ModelConfig,
+    load_config,
+    resolve_model_config,
+    tiny_nemotron_h_config,
+    tiny_qwen35_config,
+)
+from sft_trainer.lora import apply_lora
+from sft_trainer.run import main as run_main
+
+SHAPES = ("qwen3_5-0.8b", "qwen3_5-2b", "qwen3_5-35b-a3b", "nemotron_h-nano-30b-a3b")
+GIB = 2**30
+
+
+def shipped(name: str):
+    hf = resolve_model_config(ModelConfig(config=name))
+    return hf if hf.model_type == "nemotron_h" else load_text_config(hf)
+
+
+def tiny_qwen35_moe_config():
+    from transformers import Qwen3_5MoeTextConfig
+
+    base = _without(tiny_qwen35_config(vocab_size=96), "intermediate_size")
+    base.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40)
+    return Qwen3_5MoeTextConfig(**base)
+
+
+def _without(config, *keys) -> dict:
+    out = config.to_dict()
+    for key in ("model_type", "architectures", "transformers_version", "dtype", *keys):
+        out.pop(key, None)
+    return out
+
+
+def tiny_configs():
+    from transformers import NemotronHConfig, Qwen3_5TextConfig
+
+    qwen = _without(tiny_qwen35_config(vocab_size=96))
+    nemotron = _without(tiny_nemotron_h_config(vocab_size=80), "layers_block_type")
+    return {
+        "qwen3_5 dense": tiny_qwen35_config(vocab_size=96),
+        "qwen3_5 dense, attention bias, untied": Qwen3_5TextConfig(
+            **{**qwen, "attention_bias": True, "tie_word_embeddings": False}
+        ),
+        "qwen3_5 moe": tiny_qwen35_moe_config(),
+        "nemotron_h": tiny_nemotron_h_config(vocab_size=80),
+        "nemotron_h latent MoE, biases": NemotronHConfig(
+            **{
+                **nemotron,
+                "hybrid_override_pattern": "ME*-M",
+                "moe_latent_size": 16,
+                "use_bias": True,
+                "mlp_bias": True,
+                "use_conv_bias": False,
+            }
+        ),
+    }
+
+
+def meta_model(config):
+    with torch.device("meta"):
+        if config.model_type == "nemotron_h":
+            return NemotronHForCausalLM(config)
+        return Qwen35ForCausalLM(config)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Parameters
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_parameter_counts_equal_the_meta_model_for_shipped_shapes(name):
+    config = shipped(name)
+    counted = plan.count_parameters(config)
+    assert counted.total == sum(p.numel() for p in meta_model(config).parameters())
+    assert counted.total == counted.embeddings + sum(counted.layers.values())
+
+
+@pytest.mark.parametrize("name", list(tiny_configs()))
+def test_parameter_and_lora_counts_equal_the_meta_model_for_tiny_configs(name):
+    config = tiny_configs()[name]
+    model = meta_model(config)
+    assert plan.count_parameters(config).total == sum(p.numel() for p in model.parameters())
+    family = "nemotron_h" if config.model_type == "nemotron_h" else "qwen3_5"
+    for targets in (LoraConfig().targets, list(LINEAR_NAMES[family])):
+        targets = [t for t in targets if t in LINEAR_NAMES[family]]
+        lora_model = meta_model(config)
+        apply_lora(lora_model, targets, rank=4, alpha=8.0)
+        adapters = sum(p.numel() for n, p in lora_model.named_parameters() if "lora_" in n)
+        counted = plan.count_parameters(config, lora_targets=targets, lora_rank=4)
+        assert counted.lora == adapters, targets
+        assert counted.trainable == adapters
+
+
+def test_the_largest_block_is_the_largest_decoder_layer():
+    for config in (shipped("qwen3_5-35b-a3b"), shipped("nemotron_h-nano-30b-a3b"), *tiny_configs().values()):
+        model = meta_model(config)
+        largest = max(sum(p.numel() for p in layer.parameters()) for layer in model.decoder_layers())
+        assert plan.count_parameters(config).largest_block == largest
+
+
+# --------------------------------------------------------------------------------------------------------
+# Bytes: closed forms vs what one layer sends on a fake process group (every rank; the busiest counts)
+
+
+@contextlib.contextmanager
+def fake_group(rank: int, size: int):
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _sent(make_inputs, rank: int, cp: int, seq_len: int, recompute: bool) -> int:
+    """Bytes ``rank`` sends while the layer runs forward + backward (under activation checkpointing: recompute)."""
+    with fake_group(rank, cp):
+        torch.manual_seed(0)
+        meta = build_packed_metadata([seq_len], rank, cp)  # one document spanning the row
+        module, inputs = make_inputs(meta)
+        if any(isinstance(m, ContextParallelModule) for m in module.modules()):
+            set_context_parallel_attributes(module, dist.group.WORLD, rank, cp)
+        with CommCounter(cp) as counter:
+            out = checkpoint(module, *inputs, use_reentrant=False) if recompute else module(*inputs)
+            out.float().sum().backward()
+        return counter.total_sent_bytes
+
+
+def busiest_rank_bytes(make_inputs, cp: int, seq_len: int, recompute: bool = False) -> int:
+    return max(_sent(make_inputs, r, cp, seq_len, recompute) for r in range(cp))
+
+
+def _qwen_layer(config, index: int, dtype):
+    def make(meta):
+        layer = Qwen35DecoderLayer(config, index, "torch", "torch").to(dtype)
+        rotary = Qwen35Rotary(config)(meta.local_position_ids, dtype)
+        hidden = torch.randn(meta.local_len, config.hidden_size, dtype=dtype, requires_grad=True)
+        return layer, (hidden, rotary, meta)
+
+    return make
+
+
+def _nemotron_block(config, index: int, style: str):
+    def make(meta):
+        block = NemotronHBlock(config, index, "torch", "torch", style).to(torch.bfloat16)
+        hidden = torch.randn(meta.local_len, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+        return block, (hidden, meta)
+
+    return make
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_qwen35_layer_bytes_equal_the_closed_forms(cp, dtype):
+    """Tiny Qwen3.5 decoder layers (GDN + MLP, attention + MLP with 2 KV heads, so replicated at cp 4, GDN + MoE)
+    forward + backward; with activation checkpointing the forward's collectives are sent again."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    seq_len = 16 * cp
+    dense, moe = tiny_qwen35_config(vocab_size=96), tiny_qwen35_moe_config()
+    for recompute in (False, True):
+        gdn = busiest_rank_bytes(_qwen_layer(dense, 0, dtype), cp, seq_len, recompute)
+        assert gdn == plan.gdn_bytes(dense, seq_len, cp, elem, recompute=recompute) > 0
+        gdn_moe = busiest_rank_bytes(_qwen_layer(moe, 0, dtype), cp, seq_len, recompute)
+        assert gdn_moe == plan.gdn_bytes(moe, seq_len, cp, elem, recompute=recompute)  # the MoE sends nothing
+        attention = busiest_rank_bytes(_qwen_layer(dense, 3, dtype), cp, seq_len, recompute)
+        expected = plan.ulysses_attention_bytes(
+            seq_len, cp, dense.num_attention_heads, dense.num_key_value_heads, dense.head_dim, elem, recompute=recompute
+        )
+        assert attention == expected > 0
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_nemotron_h_layer_bytes_equal_the_closed_forms(cp):
+    """Tiny Nemotron-H blocks "M*M-E" (n_groups 2: split at cp 2, replicated at cp 4), both Mamba styles, bf16."""
+    config = tiny_nemotron_h_config(vocab_size=80)
+    seq_len = 16 * cp
+    assert config.n_groups < 4
+    for recompute in (False, True):
+        for style in ("state_passing", "a2a"):
+            sent = busiest_rank_bytes(_nemotron_block(config, 0, style), cp, seq_len, recompute)
+            assert sent == plan.mamba_bytes(config, style, seq_len, cp, 2, recompute=recompute) > 0, style
+        attention = busiest_rank_bytes(_nemotron_block(config, 1, "state_passing"), cp, seq_len, recompute)
+        expected = plan.ulysses_attention_bytes(
+            seq_len, cp, config.num_attention_heads, config.num_key_value_heads, config.head_dim, 2, recompute=recompute
+        )
+        assert attention == expected > 0
+    for index in (3, 4):  # MLP, MoE: token-wise
+        assert busiest_rank_bytes(_nemotron_block(config, index, "state_passing"), cp, seq_len) == 0
+
+
+def test_closed_forms_match_the_documented_tables():
+    """docs/cp-models.md (Nemotron-H Nano Mamba-2 at S = 32k, bf16) and benchmarks/ulysses_bytes.py's closed form."""
+    nano = shipped("nemotron_h-nano-30b-a3b")
+    mib = [round(plan.mamba_bytes(nano, s, 32768, cp) / 2**20, 1) for s in ("a2a",) for cp in (2, 4, 8, 16)]
+    assert mib == [322.0, 241.5, 140.9, 90.5]
+    assert [round(plan.mamba_bytes(nano, "state_passing", 32768, cp) / 2**20, 2) for cp in (2, 4, 16)] == [
+        2.04,
+        4.07,
+        4.07,
+    ]
+    assert plan.ulysses_attention_bytes(32768, 1, 8, 2, 256) == plan.gdn_bytes(shipped("qwen3_5-0.8b"), 32768, 1) == 0
+    # 0.8B attention at cp 2: 2 * 16384 * (16 + 4) * 256 * 2 * 1/2 bytes
+    assert plan.ulysses_attention_bytes(32768, 2, 8, 2, 256, 2) == 2 * 16384 * 20 * 256 * 2 // 2
+
+
+# --------------------------------------------------------------------------------------------------------
+# Memory and the longest row
+
+
+BENCHMARK = [  # docs/benchmarks/qwen35_step.md: 0.8B shape, cp 1, bf16, forward + backward, no optimizer (H200)
+    (8192, False, 19.0),
+    (32768, False, 59.7),
+    (8192, True, 5.8),
+    (32768, True, 7.1),
+]
+
+
+@pytest.mark.parametrize(("seq_len", "ckpt", "measured"), BENCHMARK)
+def test_memory_model_is_within_ten_percent_of_the_h200_measurements(seq_len, ckpt, measured):
+    est = plan.estimate_memory(
+        shipped("qwen3_5-0.8b"), seq_len, 1, activation_checkpointing=ckpt, optimizer=False, fsdp_world=1
+    )
+    assert abs(est.total / GIB - measured) / measured < 0.10, est.gib()
+    assert est.parameters == est.gradients == 752393024 * 2 and est.optimizer == 0
+
+
+def test_memory_breakdown_follows_the_trainer_layout():
+    config = shipped("qwen3_5-2b")
+    p = plan.count_parameters(config)
+    kw = dict(activation_checkpointing=False, dtype="bfloat16")
+    replica = plan.estimate_memory(config, 8192, 2, fsdp=False, **kw)
+    assert (replica.parameters, replica.gradients, replica.optimizer) == (2 * p.total, 2 * p.total, 4 * p.total)
+    sharded = plan.estimate_memory(config, 8192, 2, fsdp_world=4, **kw)
+    assert sharded.optimizer == 8 * p.total // 4  # fp32 exp_avg + exp_avg_sq, 1/4 each
+    assert sharded.parameters == int(p.total * 4 / 4 + (p.embeddings + plan.FSDP_GATHERED_BLOCKS * p.largest_block) * 2)
+    lora = plan.estimate_memory(config, 8192, 2, fsdp_world=4, lora=True, **kw)
+    assert 0 < lora.optimizer < sharded.optimizer / 100 and lora.gradients < sharded.gradients
+    assert lora.activations == sharded.activations
+    # checkpointing keeps one hidden state per layer
+    ckpt = plan.estimate_memory(config, 8192, 2, fsdp_world=4, **{**kw, "activation_checkpointing": True})
+    model_saved = ckpt.per_token["model"]["saved"]
+    assert ckpt.activations == int(4096 * (config.num_hidden_layers * config.hidden_size * 2 + model_saved))
+    assert ckpt.activations < sharded.activations / 10
+    # the loss: fp32 weight-gradient accumulator + one chunk of fp32 softmax and its bf16 copy
+    chunk = (1 << 28) // config.vocab_size
+    assert sharded.loss_workspace == config.vocab_size * config.hidden_size * 4 + chunk * config.vocab_size * 6
+
+
+def test_every_coefficient_width_is_defined():
+    for config in [shipped(n) for n in SHAPES] + list(tiny_configs().values()):
+        for cp in (1, 2, 4):
+            for style in ("state_passing", "a2a"):
+                per_token = plan.activation_bytes_per_token(config, cp, 2, style)
+                assert all(v["saved"] > 0 for k, v in per_token.items()), per_token
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_longest_seq_len_is_tight_and_monotonic(name):
+    config = shipped(name)
+    capacity = plan.H200_GIB
+    previous = {False: 0, True: 0}
+    for cp in (1, 2, 4, 8):
+        if plan.valid_cp(config, cp):
+            continue
+        for ckpt in (False, True):
+            kw = dict(activation_checkpointing=ckpt, fsdp_world=cp, fsdp=True)
+            longest = plan.longest_seq_len(config, cp, capacity, **kw)
+            assert longest % cp == 0 and longest >= previous[ckpt], (cp, ckpt, longest, previous)
+            previous[ckpt] = longest
+            if longest:
+                assert plan.estimate_memory(config, longest, cp, **kw).needed <= capacity * GIB
+            assert plan.estimate_memory(config, longest + cp, cp, **kw).needed > capacity * GIB
+        no_ckpt = plan.longest_seq_len(config, cp, capacity, activation_checkpointing=False, fsdp_world=cp)
+        assert plan.longest_seq_len(config, cp, capacity, activation_checkpointing=True, fsdp_world=cp) >= no_ckpt
+    assert previous[True] > 0  # some cp fits every shipped shape at 8 ranks with checkpointing
+
+
+def test_longest_seq_len_respects_the_conv_halo():
+    config = tiny_qwen35_config(vocab_size=96)
+    # at cp 4 the shortest row is 4 * (W - 1) = 12 tokens; with room for nothing more it is 0
+    tiny_need = plan.estimate_memory(config, 12, 4, activation_checkpointing=False, fsdp_world=4).needed / GIB
+    assert plan.longest_seq_len(config, 4, tiny_need, fsdp_world=4, activation_checkpointing=False) >= 12
+    assert plan.longest_seq_len(config, 4, tiny_need * 0.99, fsdp_world=4, activation_checkpointing=False) == 0
+
+
+# --------------------------------------------------------------------------------------------------------
+# The CLI
+
+
+def run_plan(capsys, *args):
+    run_main(["plan", *args])
+    return capsys.readouterr().out
+
+
+def test_cli_prints_the_table(capsys):
+    out = run_plan(capsys, "--config", "tiny_cpu")
+    config = tiny_qwen35_config(vocab_size=plan._tokenizer_vocab(str(load_config("tiny_cpu").tokenizer_path)))
+    assert "sft-train plan: tiny-qwen3_5 (qwen3_5_text)" in out
+    assert f"{plan.count_parameters(config).total:,} parameters" in out
+    gdn = plan.gdn_bytes(config, 256, 2, 4)
+    row = re.search(r"linear_attention \(Gated DeltaNet\)\s+3\s+conv halo \+ delta-rule state passing\s+(\S+ \S+)", out)
+    assert row and row.group(1) == plan._size(gdn)
+    assert re.search(r"full_attention \(gated softmax attention\)\s+1\s+Ulysses all-to-all, KV heads x1", out)
+    assert re.search(r"mlp \(SwiGLU MLP\)\s+4\s+local", out)
+    assert "Memory per rank (GiB)" in out and "Longest data.seq_len that fits" in out
+    assert "not valid: Ulysses attention needs cp to divide the query heads: cp=8, q_heads=4" in out
+
+
+def test_cli_json_parses_and_agrees_with_the_closed_forms(capsys):
+    out = run_plan(
+        capsys,
+        "--model.config",
+        "qwen3_5-0.8b",
+        "--config",
+        "tiny_cpu",
+        "--model.dtype",
+        "bfloat16",
+        "--data.seq_len",
+        "32768",
+        "--parallel.cp",
+        "4",
+        "--json",
+        "--nvlink-gbps",
+        "300",
+        "--gpu-memory-gib=80",
+    )
+    result = json.loads(out)
+    config = shipped("qwen3_5-0.8b")
+    comm = result["communication"]
+    gdn, attn = plan.gdn_bytes(config, 32768, 4), plan.ulysses_attention_bytes(32768, 4, 8, 2, 256)
+    assert comm["bytes_per_row"] == 18 * gdn + 6 * attn
+    assert comm["state_passing_bytes"] == 18 * gdn and comm["all_to_all_bytes"] == 6 * attn
+    assert comm["time_ms_per_row"] == pytest.approx((18 * gdn + 6 * attn) / 300e9 * 1e3)
+    assert result["gpu_memory_gib"] == 80 and result["fits"] and result["problems"] == []
+    assert result["model"]["parameters"] == 752393024
+    est = plan.estimate_memory(config, 32768, 4, activation_checkpointing=False, fsdp_world=4)
+    assert result["memory"]["no_checkpointing"]["needed"] == pytest.approx(est.needed / GIB)
+    longest = result["longest_seq_len"]["4"]
+    assert longest["no_checkpointing"] == plan.longest_seq_len(
+        config, 4, 80, activation_checkpointing=False, fsdp_world=4
+    )
+    assert {r["kind"]: r["count"] for r in result["layers"]} == {"gdn": 18, "attention": 6, "mlp": 24}
+
+
+def test_nemotron_a2a_plan_names_the_replicated_groups(capsys):
+    out = run_plan(
+        capsys,
+        "--config",
+        "tiny_cpu",
+        "--model.preset",
+        "tiny-nemotron_h",
+        "--parallel.cp",
+        "4",
+        "--parallel.cp_style",
+        "a2a",
+        "--json",
+    )
+    rows = {r["kind"]: r for r in json.loads(out)["layers"]}
+    assert rows["mamba"]["strategy"] == "head-parallel all-to-all, n_groups 2 -> 4 replicated"
+    assert rows["mamba"]["count"] == 2 and rows["moe"]["bytes"] == rows["mlp"]["bytes"] == 0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "parts"),
+    [
+        (
+            ["--parallel.cp", "3", "--data.seq_len", "258"],
+            [
+                "parallel.cp=3 vs the attention heads of model.preset='tiny-qwen3_5'",
+                "num_attention_heads=4",
+                "Ulysses attention needs cp to divide the query heads: cp=3, q_heads=4",
+            ],
+        ),
+        (
+            ["--parallel.cp", "4", "--data.seq_len", "250"],
+            ["data.seq_len=250 must be divisible by parallel.cp=4"],
+        ),
+        (
+            ["--parallel.cp", "4", "--data.seq_len", "8"],
+            ["data.seq_len=8 is too short for parallel.cp=4", "seq_len >= cp * 3 = 12"],
+        ),
+        (["--nvlink-gbps", "fast"], ["--nvlink-gbps takes a positive number, got 'fast'"]),
+    ],
+)
+def test_invalid_configs_exit_with_the_reason(capsys, overrides, parts):
+    with pytest.raises(SystemExit) as exc:
+        run_main(["plan", "--config", "tiny_cpu", *overrides])
+    message = str(exc.value.code)
+    for part in parts:
+        assert part in message, message
+
+
+def _does_not_fit(capsys, *overrides):
+    args = ["--config", "tiny_cpu", "--model.config", "qwen3_5-0.8b", "--model.dtype", "bfloat16", *overrides]
+    with pytest.raises(SystemExit) as exc:
+        run_main(["plan", *args])
+    assert "DOES NOT FIT" in capsys.readouterr().out  # the table is still printed
+    return str(exc.value.code)
+
+
+def test_does_not_fit_suggests_checkpointing_and_a_shorter_row(capsys):
+    config = shipped("qwen3_5-0.8b")
+    message = _does_not_fit(capsys, "--data.seq_len", "1048576", "--parallel.cp", "2")
+    kw = dict(fsdp_world=2, fsdp=True)
+    need = plan.estimate_memory(config, 1048576, 2, activation_checkpointing=False, **kw).needed / GIB
+    ckpt = plan.estimate_memory(config, 1048576, 2, activation_checkpointing=True, **kw).needed / GIB
+    longest = plan.longest_seq_len(config, 2, plan.H200_GIB, activation_checkpointing=False, **kw)
+    assert ckpt < plan.H200_GIB < need
+    assert message == (
+        f"sft-train plan: data.seq_len=1048576 at parallel.cp=2 does not fit: needs {need:.1f} GiB per rank, the "
+        f"GPU has {plan.H200_GIB:.1f} GiB; enable model.activation_checkpointing (then {ckpt:.1f} GiB) / lower "
+        f"data.seq_len to {longest}"
+    )
+
+
+def test_does_not_fit_suggests_a_larger_cp(capsys):
+    config = shipped("qwen3_5-0.8b")
+    message = _does_not_fit(
+        capsys,
+        "--data.seq_len",
+        "4000000",
+        "--parallel.cp",
+        "2",
+        "--model.activation_checkpointing",
+        "true",
+        "--gpu-memory-gib",
+        "139.8",
+    )
+
+    def need(cp):
+        return plan.estimate_memory(config, 4000000, cp, activation_checkpointing=True, fsdp_world=cp).needed / GIB
+
+    assert need(4) > plan.H200_GIB >= need(8)
+    assert (
+        f"needs {need(2):.1f} GiB per rank, the GPU has 139.8 GiB; raise parallel.cp to 8 (then {need(8):.1f} GiB)"
+        in (message)
+    )
+    assert "enable model.activation_checkpointing" not in message
+    assert "lower data.seq_len to" in message
+
+
+def test_vl_plan_counts_the_vision_tower(capsys):
+    from cp_vlm import Qwen35VLForConditionalGeneration
+
+    result = json.loads(run_plan(capsys, "--config", "tiny_vl_cpu", "--json"))
+    cfg = load_config("tiny_vl_cpu")
+    vocab = plan._tokenizer_vocab(cfg.tokenizer_path)
+    with torch.device("meta"):
+        model = Qwen35VLForConditionalGeneration(resolve_model_config(cfg.model, vocab_size=vocab))
+    assert result["model"]["parameters"] == sum(p.numel() for p in model.parameters())
+    assert result["model"]["vision_parameters"] > 0 and result["notes"]
