@@ -87,20 +87,10 @@ def make_config(pattern: str = "M", **overrides):
 
 
 def closed_form(config, style: str, seq_len: int, cp: int, elem: int = 2) -> int:
-    """docs/cp-models.md, Nemotron-H section, for the worst rank of one document spanning the row."""
-    h, p, g, n, w = (
-        config.mamba_num_heads,
-        config.mamba_head_dim,
-        config.n_groups,
-        config.ssm_state_size,
-        config.conv_kernel,
-    )
-    if style == "a2a":  # 2 T (2 H P + 2 G' N + H) b (cp-1)/cp, G' = max(n_groups, cp)
-        t = seq_len // cp
-        return 2 * t * (2 * h * p + 2 * max(g, cp) * n + h) * elem * (cp - 1) // cp
-    # 2 ((W-1)(HP + 2 G N) b + 4 H P N) for a rank inside the chain; the chain ends send half (all of cp = 2).
-    one_way = (w - 1) * (h * p + 2 * g * n) * elem + 4 * h * p * n
-    return one_way * (2 if cp > 2 else 1)
+    """docs/cp-models.md, Nemotron-H section, for the worst rank of one document spanning the row (the planner's)."""
+    from sft_trainer.plan import mamba_bytes
+
+    return mamba_bytes(config, style, seq_len, cp, elem)
 
 
 def _stand_in_conv(x, weight, bias, activation, position_ids, halo=None):
