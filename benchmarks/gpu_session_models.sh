@@ -11,11 +11,12 @@ export PYTHONPATH=/tmp/site:$(ls -d "$PWD"/packages/*/src | paste -sd:)
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+versions() { python3 -c "import torch, triton, fla, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__, 'transformers', transformers.__version__)"; }
 VARIANTS=(cp_models "cp_models + act. ckpt" transformers "transformers + grad. ckpt")
 case "${1:-tests}" in
   tests)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
-    python3 -c "import torch, triton, fla, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
+    versions | tee -a "$OUT/device.txt"
     timeout 330 python3 -m pytest -v -s -p no:cacheprovider --durations=0 \
       packages/cp-models/tests/test_models_qwen35_gpu.py packages/cp-models/tests/test_models_nemotron_h_gpu.py \
       2>&1 | tee "$OUT/models_gpu_tests.log" | grep -E "PASS|FAIL|ERROR|rel|moe|norm|loss|passed|failed|s call"
@@ -23,7 +24,7 @@ case "${1:-tests}" in
     timeout 100 python3 benchmarks/vision_cp.py --out "$OUT" 2>&1 | tail -14
     ;;
   small)
-    python3 -c "import torch, triton, fla, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__, 'transformers', transformers.__version__)" | tee "$OUT/device.txt"
+    versions | tee "$OUT/device.txt"
     timeout 230 python3 -m pytest -v -s -p no:cacheprovider --durations=0 packages/cp-models/tests/test_models_nemotron_h_gpu.py \
       2>&1 | tee "$OUT/nemotron_gpu_tests.log" | grep -E "PASS|FAIL|ERROR|rel|moe|assert|passed|failed|s call"
     mkdir -p "$OUT/small"

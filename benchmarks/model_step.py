@@ -107,11 +107,7 @@ def model_flops(model: torch.nn.Module, config, seq_len: int) -> float:
             continue
         if "embed" in name and not getattr(config, "tie_word_embeddings", False):
             continue  # an untied embedding is a lookup
-        share = (
-            top_k / n_experts
-            if ".experts." in name or name.endswith(("experts.gate_up_proj", "experts.down_proj", "experts.up_proj"))
-            else 1.0
-        )
+        share = top_k / n_experts if ".experts." in name else 1.0  # routed experts (stacked: *.experts.<proj>)
         matmul += p.numel() * share
     flops = 6 * matmul * seq_len
     for kind in layer_kinds(config):

@@ -47,14 +47,13 @@ def _topology(model, cp: int) -> None:
     set_context_parallel_attributes(model, dist.group.WORLD, rank, cp)
 
 
-def run(args, on_row=print) -> list[dict]:
+def run(args, on_row) -> list[dict]:
     config = load_shape(args.shape, args.tiny)
     variant = "cp_models" if args.no_ckpt else "cp_models + act. ckpt"
     model, step = build(variant, config, args.device)
     cuda = args.device.startswith("cuda")
     static = torch.cuda.memory_allocated() / 2**30 if cuda else None  # weights; gradients come with the step
-    params = sum(p.numel() for p in model.parameters())
-    grads_gib = params * 2 / 2**30
+    grads_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30  # as large as the weights
     points = [tuple(int(x) for x in p.split(":")) for p in args.points]
     rows, warmed = [], set()
     for seq_len, cp in sorted(points, key=lambda p: (p[1], p[0])):
@@ -101,7 +100,6 @@ def run(args, on_row=print) -> list[dict]:
         free(args.device)
     if dist.is_initialized():
         dist.destroy_process_group()
-    _ideal(rows)
     return rows
 
 
@@ -171,8 +169,7 @@ def main() -> None:
         _ideal(rows)
         write_table(rows, args, device_name)
 
-    rows = run(args, on_row)
-    print(write_table(rows, args, device_name))
+    print(write_table(run(args, on_row), args, device_name))
 
 
 if __name__ == "__main__":
