@@ -100,15 +100,16 @@ ACTIVATION_COEFFICIENTS: dict[str, dict[str, dict[str, float]]] = {
     # SwiGLU MLP: its input (hidden 1); gate_proj and up_proj outputs, silu(gate), the product (intermediate 4).
     "qwen3_5.mlp": {"saved": {"hidden": 1, "intermediate": 4}, "transient": {"intermediate": 2}},
     # Sparse MoE, grouped GEMM: hidden 2: the input (router, shared expert, its gate) and the shared expert's
-    # output (kept by the gate multiply); experts_f32 1: the router softmax; topk_dim 2: tokens gathered per
-    # expert slot and the expert outputs before weighting; topk_moe_inter 4: [gate | up] (2), silu(gate), the
-    # product; topk_f32 2: top-k weights and their sum; topk_i64 2: gather/scatter indices; shared_inter 4: as the
-    # MLP; rows 2: the shared-expert gate logit and sigmoid.
+    # output (kept by the gate multiply); experts_f32 1: the router softmax; topk_dim 3: tokens gathered per
+    # expert slot, the expert outputs before weighting (kept by the weight multiply) and the weighted outputs
+    # (kept by index_add_); topk_moe_inter 4: [gate | up] (2), silu(gate), the product; topk_f32 2: top-k weights
+    # and their sum; topk_i64 2: gather/scatter indices; shared_inter 4: as the MLP; rows 2: the shared-expert
+    # gate logit and sigmoid. Checked against the bytes autograd saves (tests/test_trainer_plan.py, CPU).
     "qwen3_5.moe": {
         "saved": {
             "hidden": 2,
             "experts_f32": 1,
-            "topk_dim": 2,
+            "topk_dim": 3,
             "topk_moe_inter": 4,
             "topk_f32": 2,
             "topk_i64": 2,
@@ -169,8 +170,9 @@ ACTIVATION_COEFFICIENTS: dict[str, dict[str, dict[str, float]]] = {
     "nemotron_h.mlp": {"saved": {"hidden": 1, "intermediate": 2}, "transient": {"intermediate": 2}},
     # MoE, grouped GEMM: hidden 1: the input (shared expert / latent projection); hidden_f32 1: its fp32 copy
     # (the fp32 router linear); experts_f32 1: sigmoid scores; topk_dim 2: tokens per expert slot and the expert
-    # outputs; topk_moe_inter 2: relu output and its square; topk_f32 3: gathered, renormalized and re-ordered
-    # weights; topk_i64 2: indices; shared_inter 2: as the MLP; latent 1: fc2_latent_proj's input (0 without).
+    # outputs; topk_dim_f32 1: the fp32 weighted outputs (kept by index_add_); topk_moe_inter 2: relu output and
+    # its square; topk_f32 3: gathered, renormalized and re-ordered weights; topk_i64 2: indices; shared_inter 2:
+    # as the MLP; latent 1: fc2_latent_proj's input (0 without). Checked against autograd's saved bytes (CPU).
     # Transient: the fp32 product of expert outputs and weights before the scatter-add, the inner gradients.
     "nemotron_h.moe": {
         "saved": {
@@ -178,6 +180,7 @@ ACTIVATION_COEFFICIENTS: dict[str, dict[str, dict[str, float]]] = {
             "hidden_f32": 1,
             "experts_f32": 1,
             "topk_dim": 2,
+            "topk_dim_f32": 1,
             "topk_moe_inter": 2,
             "topk_f32": 3,
             "topk_i64": 2,
@@ -191,13 +194,16 @@ ACTIVATION_COEFFICIENTS: dict[str, dict[str, dict[str, float]]] = {
 }
 
 # The chunked cross-entropy (cp_models.common.causal_lm_output): chunks of max(1, 2**28 // vocab) tokens (about
-# 1 GiB of fp32 logits). Its backward keeps an fp32 [vocab, hidden] weight-gradient accumulator and, per chunk,
-# the fp32 softmax beside its copy in the activation dtype (the bf16 logits before the softmax are as large).
+# 1 GiB of fp32 logits). At its backward's peak: the fp32 [vocab, hidden] weight-gradient accumulator and, per
+# chunk, the previous chunk's probabilities in the activation dtype (still referenced while the next chunk is
+# computed), the logits in the activation dtype, their fp32 cast inside softmax(dtype=float32) and the fp32
+# softmax. Calibrated on an H200 (docs/benchmarks/model_step.json: a fixed 4.1 GiB above weights, gradients and
+# saved activations for Qwen3.5-0.8B at 8k and 32k, with and without checkpointing; this model says 3.95 GiB).
 LOSS_CHUNK_ELEMENTS = 1 << 28
 LOSS_COEFFICIENTS = {
     "weight_grad_f32": 1.0,  # x vocab x hidden x 4 bytes
-    "chunk_f32": 1.0,  # x chunk x vocab x 4 bytes (the softmax)
-    "chunk_act": 1.0,  # x chunk x vocab x activation bytes (logits / probabilities in model.dtype)
+    "chunk_f32": 2.0,  # x chunk x vocab x 4 bytes (the fp32 cast of the logits and the softmax)
+    "chunk_act": 2.0,  # x chunk x vocab x activation bytes (this chunk's logits, the previous chunk's probabilities)
 }
 
 # FSDP2 (sft_trainer.parallelize.apply_fsdp): the root unit (embeddings, final norm, LM head) stays gathered in
