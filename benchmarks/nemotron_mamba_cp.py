@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
@@ -126,31 +125,22 @@ def reduced_compute():
         conv.causal_conv1d_torch, ssd.chunk_ssd_torch = saved
 
 
-def _fake_group(rank: int, size: int):
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=size)
-
-
 def layer_bytes(config, style: str, seq_len: int, cp: int, rank: int) -> tuple[int, int]:
     """(bytes sent, collectives) by ``rank`` for one Mamba layer, forward + backward, one document of seq_len."""
     from cp_core import build_packed_metadata
-    from cp_core.testing import CommCounter
+    from cp_core.testing import CommCounter, fake_process_group
     from cp_models.common import set_context_parallel_attributes
     from cp_models.nemotron_h import NemotronHMamba2Mixer
 
-    _fake_group(rank, cp)
-    try:
+    with fake_process_group(rank, cp) as group:
         torch.manual_seed(0)
         mixer = NemotronHMamba2Mixer(config, recurrent_backend="torch", cp_style=style).to(torch.bfloat16)
-        set_context_parallel_attributes(mixer, dist.group.WORLD, rank, cp)
+        set_context_parallel_attributes(mixer, group, rank, cp)
         meta = build_packed_metadata([seq_len], rank, cp)
         hidden = torch.zeros(seq_len // cp, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
         with CommCounter(cp) as counter:
             mixer(hidden, meta).float().sum().backward()
         return counter.total_sent_bytes, len(counter.records)
-    finally:
-        dist.destroy_process_group()
 
 
 def worst_rank_bytes(config, style: str, seq_len: int, cp: int, ranks) -> tuple[int, int]:
@@ -316,17 +306,16 @@ def layer_share_ms(config, style: str, seq_len: int, cp: int, device: str, reps:
     process group (state passing: S/cp tokens incl. halo, correction and pre/post work; a2a: in_proj/norm/out_proj
     on S/cp tokens, conv + scan on S tokens for H/cp heads). Collectives are free here."""
     from cp_core import build_packed_metadata
+    from cp_core.testing import fake_process_group
     from cp_models.common import set_context_parallel_attributes
     from cp_models.nemotron_h import NemotronHMamba2Mixer
 
     rank = min(1, cp - 1)
-    if cp > 1:
-        _fake_group(rank, cp)
-    try:
+    with fake_process_group(rank, cp) if cp > 1 else contextlib.nullcontext() as group:
         torch.manual_seed(0)
         mixer = NemotronHMamba2Mixer(config, cp_style=style).to(device=device, dtype=torch.bfloat16)
         if cp > 1:
-            set_context_parallel_attributes(mixer, dist.group.WORLD, rank, cp)
+            set_context_parallel_attributes(mixer, group, rank, cp)
         meta = build_packed_metadata([seq_len], rank, cp)
         hidden = torch.randn(seq_len // cp, config.hidden_size, device=device, dtype=torch.bfloat16)
         hidden.requires_grad_(True)
@@ -338,9 +327,6 @@ def layer_share_ms(config, style: str, seq_len: int, cp: int, device: str, reps:
             mixer(hidden, meta).backward(grad)
 
         return _median_ms(step, _Timer(device), reps)
-    finally:
-        if cp > 1:
-            dist.destroy_process_group()
 
 
 def run_speed(args) -> None:

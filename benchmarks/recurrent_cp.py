@@ -19,20 +19,20 @@ speed: forward + backward time of the local (no CP) kernels at 32k tokens, torch
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from cp_core import CPTopology, build_packed_metadata
 from cp_core.conv import causal_conv1d_cp
 from cp_core.gated_delta import gated_delta_rule_cp
 from cp_core.ssd import ssd_cp
-from cp_core.testing import CommCounter
+from cp_core.testing import CommCounter, fake_process_group
 from cp_core.ulysses import heads_to_sequence, replicate_kv_heads, sequence_to_heads
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
@@ -62,11 +62,10 @@ SHAPES = [
 ]
 
 
-def _fake_group(rank: int, size: int) -> CPTopology:
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=size)
-    return CPTopology.from_group()
+@contextlib.contextmanager
+def _fake_topology(rank: int, size: int):
+    with fake_process_group(rank, size) as group:
+        yield CPTopology.from_group(group)
 
 
 def _state_passing_layer(shape: Shape, meta, topo, dtype) -> torch.Tensor:
@@ -94,21 +93,17 @@ def _state_passing_layer(shape: Shape, meta, topo, dtype) -> torch.Tensor:
 def state_passing_bytes(shape: Shape, seq_len: int, cp: int) -> int:
     worst = 0
     for rank in range(cp):
-        topo = _fake_group(rank, cp)
-        try:
+        with _fake_topology(rank, cp) as topo:
             meta = build_packed_metadata([seq_len], rank, cp)
             with CommCounter(cp) as counter:
                 out = _state_passing_layer(shape, meta, topo, torch.float32)
                 out.float().sum().backward()
             worst = max(worst, counter.total_sent_bytes)
-        finally:
-            dist.destroy_process_group()
     return worst
 
 
 def all_to_all_bytes(shape: Shape, seq_len: int, cp: int, dtype=torch.bfloat16) -> int:
-    topo = _fake_group(0, cp)
-    try:
+    with _fake_topology(0, cp) as topo:
         t = seq_len // cp
         if shape.kind == "gdn":
             per_head = [(shape.key_heads, shape.key_dim)] * 2 + [(shape.heads, shape.value_dim), (shape.heads, 2)]
@@ -122,8 +117,6 @@ def all_to_all_bytes(shape: Shape, seq_len: int, cp: int, dtype=torch.bfloat16) 
             out = out + sum(x.sum() for x in exchanged)  # stand-in for the per-head layer; keeps the graph
             heads_to_sequence(out, topo).sum().backward()
         return counter.total_sent_bytes
-    finally:
-        dist.destroy_process_group()
 
 
 def run_bytes(seq_lens: list[int], cps: list[int]) -> None:

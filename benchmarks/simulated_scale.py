@@ -18,6 +18,7 @@ run's activation memory / N + the static memory (weights + gradients, measured b
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 import sys
@@ -25,27 +26,26 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from model_step import SHAPES, build, free, load_shape, timed_steps
 
-from cp_core.testing import CommCounter
+from cp_core.testing import CommCounter, fake_process_group
 
 NVLINK_GBPS = 450.0  # H200 NVLink 4, per direction, GB/s (1e9 bytes)
 
 
-def _topology(model, cp: int) -> None:
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
+@contextlib.contextmanager
+def _sharded(model, cp: int):
+    """The model as rank cp // 2 of a fake group of cp ranks for the block (cp = 1: unsharded)."""
     from cp_models import set_context_parallel_attributes
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
     if cp == 1:
         set_context_parallel_attributes(model, None, 0, 1)
+        yield
         return
     rank = cp // 2
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cp)
-    set_context_parallel_attributes(model, dist.group.WORLD, rank, cp)
+    with fake_process_group(rank, cp) as group:
+        set_context_parallel_attributes(model, group, rank, cp)
+        yield
 
 
 def run(args, on_row) -> list[dict]:
@@ -62,53 +62,52 @@ def run(args, on_row) -> list[dict]:
         if seq_len % cp:
             rows.append({**row, "status": "S % cp != 0"})
             continue
-        try:
-            _topology(model, cp)
-        except Exception as exc:  # the model's own CP validation (e.g. cp not dividing the attention heads)
-            rows.append({**row, "status": f"rejected: {exc}"})
-            on_row(rows)
-            continue
-        generator = torch.Generator().manual_seed(0)
-        if cp not in warmed:  # compile + autotune on a short row: fla's tuning keys exclude the length
-            short = max(args.warmup_tokens, cp) // cp * cp
-            ids = torch.randint(0, config.vocab_size, (short // cp,), generator=generator).to(args.device)
-            timed_steps(lambda x, s=short: step(x, [s]), ids, args.device, reps=1, warmup=1)
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(_sharded(model, cp))
+            except Exception as exc:  # the model's own CP validation (e.g. cp not dividing the attention heads)
+                rows.append({**row, "status": f"rejected: {exc}"})
+                on_row(rows)
+                continue
+            generator = torch.Generator().manual_seed(0)
+            if cp not in warmed:  # compile + autotune on a short row: fla's tuning keys exclude the length
+                short = max(args.warmup_tokens, cp) // cp * cp
+                ids = torch.randint(0, config.vocab_size, (short // cp,), generator=generator).to(args.device)
+                timed_steps(lambda x, s=short: step(x, [s]), ids, args.device, reps=1, warmup=1)
+                model.zero_grad(set_to_none=True)
+                warmed.add(cp)
+            ids = torch.randint(0, config.vocab_size, (seq_len // cp,), generator=generator).to(args.device)
+            counter = CommCounter(cp)
+            started = time.perf_counter()
+
+            def counted(x, s=seq_len, counter=counter):
+                with counter:
+                    return step(x, [s])
+
+            # The first step at this exact shape counts the bytes; the second, outside the counter's dispatch mode, is
+            # the one timed (an earlier version timed the counted step and saw 128k take 48 s at cp 1).
+            first = timed_steps(counted, ids, args.device, reps=1, warmup=0, limit_s=args.limit_s)
             model.zero_grad(set_to_none=True)
-            warmed.add(cp)
-        ids = torch.randint(0, config.vocab_size, (seq_len // cp,), generator=generator).to(args.device)
-        counter = CommCounter(cp)
-        started = time.perf_counter()
-
-        def counted(x, s=seq_len, counter=counter):
-            with counter:
-                return step(x, [s])
-
-        # The first step at this exact shape counts the bytes; the second, outside the counter's dispatch mode, is
-        # the one timed (an earlier version timed the counted step and saw 128k take 48 s at cp 1).
-        first = timed_steps(counted, ids, args.device, reps=1, warmup=0, limit_s=args.limit_s)
-        model.zero_grad(set_to_none=True)
-        row["first_step_s"] = time.perf_counter() - started
-        result = first
-        if first["status"] == "ok":
-            result = timed_steps(lambda x, s=seq_len: step(x, [s]), ids, args.device, reps=1, warmup=0,
-                                 limit_s=args.limit_s)  # fmt: skip
-        row.update(result, wall_s=time.perf_counter() - started)
-        model.zero_grad(set_to_none=True)
-        if result["status"] == "ok":
-            sent = counter.total_sent_bytes
-            row.update(
-                bytes_sent=sent,
-                collectives=len(counter.records),
-                comm_ms=sent / (args.nvlink_gbps * 1e9) * 1000,
-                static_gib=None if static is None else static + grads_gib,
-            )
-            row["est_step_ms"] = row["ms"] + row["comm_ms"]
-            row["tokens_per_s_per_gpu"] = seq_len / cp / row["est_step_ms"] * 1000
+            row["first_step_s"] = time.perf_counter() - started
+            result = first
+            if first["status"] == "ok":
+                result = timed_steps(lambda x, s=seq_len: step(x, [s]), ids, args.device, reps=1, warmup=0,
+                                     limit_s=args.limit_s)  # fmt: skip
+            row.update(result, wall_s=time.perf_counter() - started)
+            model.zero_grad(set_to_none=True)
+            if result["status"] == "ok":
+                sent = counter.total_sent_bytes
+                row.update(
+                    bytes_sent=sent,
+                    collectives=len(counter.records),
+                    comm_ms=sent / (args.nvlink_gbps * 1e9) * 1000,
+                    static_gib=None if static is None else static + grads_gib,
+                )
+                row["est_step_ms"] = row["ms"] + row["comm_ms"]
+                row["tokens_per_s_per_gpu"] = seq_len / cp / row["est_step_ms"] * 1000
         rows.append(row)
         on_row(rows)
         free(args.device)
-    if dist.is_initialized():
-        dist.destroy_process_group()
     return rows
 
 

@@ -20,11 +20,9 @@ import argparse
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from cp_core import CPTopology, build_packed_metadata, heads_to_sequence, qkv_sequence_to_heads, ulysses_attention
-from cp_core.testing import CommCounter
+from cp_core.testing import CommCounter, fake_process_group
 
 # (name, q heads, kv heads, head dim) of the full-attention layers of public Qwen3.5 / Nemotron-H configs.
 SHAPES = [
@@ -51,9 +49,8 @@ def exchange_pipeline(q, k, v, metadata, topology):
 def measure(
     seq_len: int, cp: int, hq: int, hkv: int, dim: int, dtype: torch.dtype, full_attention: bool
 ) -> tuple[int, int]:
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cp)
-    try:
-        topology = CPTopology.from_group()
+    with fake_process_group(0, cp) as group:
+        topology = CPTopology.from_group(group)
         metadata = build_packed_metadata([DOC_LEN] * (seq_len // DOC_LEN), topology.rank, cp)
         local = seq_len // cp
         q = torch.zeros(local, hq, dim, dtype=dtype, requires_grad=True)
@@ -66,8 +63,6 @@ def measure(
                 out = exchange_pipeline(q, k, v, metadata, topology)
             out.backward(torch.zeros_like(out))
         return counter.total_sent_bytes, len(counter.records)
-    finally:
-        dist.destroy_process_group()
 
 
 def main() -> None:

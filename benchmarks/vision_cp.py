@@ -17,13 +17,13 @@ with a random output gradient; median of 3 after 1 warm-up; peak = max memory al
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 NVLINK_GBPS = 450.0
 IMAGE_SIDE = 448
@@ -55,8 +55,7 @@ def build_model(tiny: bool, device: str):
 
 
 def one_rank(model, num_images: int, cp: int, mode: str, device: str, reps: int) -> dict:
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
+    from cp_core.testing import fake_process_group
     from cp_models import set_context_parallel_attributes
 
     patch = model.config.vision_config.patch_size
@@ -64,32 +63,29 @@ def one_rank(model, num_images: int, cp: int, mode: str, device: str, reps: int)
     grids = torch.tensor([[1, side, side]] * num_images)
     pixel_dim = 3 * model.config.vision_config.temporal_patch_size * patch * patch
     pixels = torch.randn(num_images * side * side, pixel_dim, device=device, dtype=torch.bfloat16)
-    if cp > 1:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cp)
-    try:
-        set_context_parallel_attributes(model, dist.group.WORLD if cp > 1 else None, 0, cp)
-        model.vision_cp = mode
-        cuda = device.startswith("cuda")
-        times = []
-        base = torch.cuda.memory_allocated() if cuda else 0
-        for i in range(reps + 1):
+    with fake_process_group(0, cp) if cp > 1 else contextlib.nullcontext() as group:
+        try:
+            set_context_parallel_attributes(model, group, 0, cp)
+            model.vision_cp = mode
+            cuda = device.startswith("cuda")
+            times = []
+            base = torch.cuda.memory_allocated() if cuda else 0
+            for i in range(reps + 1):
+                model.zero_grad(set_to_none=True)
+                if cuda:
+                    torch.cuda.synchronize()
+                    if i == 1:
+                        torch.cuda.reset_peak_memory_stats()
+                start = time.perf_counter()
+                out = model.encode_images(pixels, grids)
+                out.backward(torch.randn_like(out))
+                if cuda:
+                    torch.cuda.synchronize()
+                if i >= 1:
+                    times.append((time.perf_counter() - start) * 1000)
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else float("nan")
+        finally:
             model.zero_grad(set_to_none=True)
-            if cuda:
-                torch.cuda.synchronize()
-                if i == 1:
-                    torch.cuda.reset_peak_memory_stats()
-            start = time.perf_counter()
-            out = model.encode_images(pixels, grids)
-            out.backward(torch.randn_like(out))
-            if cuda:
-                torch.cuda.synchronize()
-            if i >= 1:
-                times.append((time.perf_counter() - start) * 1000)
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else float("nan")
-    finally:
-        model.zero_grad(set_to_none=True)
-        if cp > 1:
-            dist.destroy_process_group()
     merged = side * side // model.config.vision_config.spatial_merge_size**2
     share = num_images if mode == "replicate" or cp == 1 else math.ceil(num_images / cp)
     sent = 0 if mode == "replicate" or cp == 1 else 2 * (cp - 1) * share * merged * model.lm_head.in_features * 2

@@ -4,7 +4,6 @@ the numbers that fix them, and the CLI prints a table and JSON."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import re
@@ -13,11 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.checkpoint import checkpoint
 
 from cp_core import build_packed_metadata
-from cp_core.testing import CommCounter
+from cp_core.testing import CommCounter, fake_process_group
 from cp_models import (
     ContextParallelModule,
     NemotronHForCausalLM,
@@ -135,18 +133,9 @@ def test_the_largest_block_is_the_largest_decoder_layer():
 # Bytes: closed forms vs what one layer sends on a fake process group (every rank; the busiest counts)
 
 
-@contextlib.contextmanager
-def fake_group(rank: int, size: int):
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _sent(make_inputs, rank: int, cp: int, seq_len: int, recompute: bool) -> int:
     """Bytes ``rank`` sends while the layer runs forward + backward (under activation checkpointing: recompute)."""
-    with fake_group(rank, cp):
+    with fake_process_group(rank, cp):
         torch.manual_seed(0)
         meta = build_packed_metadata([seq_len], rank, cp)  # one document spanning the row
         module, inputs = make_inputs(meta)
