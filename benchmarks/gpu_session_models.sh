@@ -38,7 +38,7 @@ case "${1:-tests}" in
     mkdir -p "$OUT/nemotron" "$OUT/layer"
     timeout 150 python3 benchmarks/nemotron_mamba_cp.py speed --out "$OUT/layer" --reps 3 2>&1 | tee "$OUT/layer/log.txt" | tail -4
     timeout 380 python3 benchmarks/model_step.py --out "$OUT/nemotron" --shapes nemotron_h-nano-8l \
-      --seq-lens 8192 32768 --limit-s 90 --variants "${VARIANTS[@]}" 2>&1 | tee "$OUT/nemotron/log.txt" | grep -E "^\||built"
+      --seq-lens 8192 32768 --limit-s 90 --first-step-limit-s 240 --variants "${VARIANTS[@]}" 2>&1 | tee "$OUT/nemotron/log.txt" | grep -E "^\||built"
     ;;
   scale)
     mkdir -p "$OUT/scale"
@@ -49,6 +49,6 @@ case "${1:-tests}" in
   large)
     mkdir -p "$OUT/large"
     timeout 560 python3 benchmarks/model_step.py --out "$OUT/large" --shapes qwen3_5-2b qwen3_5-35b-a3b-8l \
-      --seq-lens 8192 32768 --limit-s 60 --reps 2 --variants "${VARIANTS[@]}" 2>&1 | tee "$OUT/large/log.txt" | grep -E "^\||built"
+      --seq-lens 8192 32768 --limit-s 60 --first-step-limit-s 240 --reps 2 --variants "${VARIANTS[@]}" 2>&1 | tee "$OUT/large/log.txt" | grep -E "^\||built"
     ;;
 esac
