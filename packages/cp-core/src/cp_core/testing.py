@@ -566,6 +566,9 @@ class CommCounter(TorchDispatchMode):
     all-to-all ``payload (n-1)/n``; all-gather ``payload (n-1)`` (each peer needs the shard); reduce-scatter
     ``payload (n-1)/n``; all-reduce ``2 payload (n-1)/n`` (ring); send ``payload``; receive 0; anything else
     (e.g. broadcast) ``payload``.
+
+    It is a ``TorchDispatchMode``: every aten op inside the block passes through Python. Count bytes and time on
+    different steps (a 256k-token Qwen3.5-0.8B step on an H200 ran 2.9x slower inside the block).
     """
 
     def __init__(self, group_size: int):
