@@ -8,7 +8,8 @@
 # Logs and tables land under $OUT. Compilation and autotuning of fla's kernels cost minutes per fresh machine (the
 # first step of a new process: ~175 s for a Qwen3.5 model; a lone Mamba layer did not finish in 150 s), so every part
 # leaves the Triton cache (compiled kernels and fla's autotuning results) in $OUT/triton-cache.tgz; copy it to
-# .gpu/triton-cache.tgz here and carry it in the next session: every part restores it first.
+# .gpu/triton-cache.tgz here and carry it (alone: the staged wheel parts already fill a call's 64 MiB) in the first
+# work call of the next session: every part restores it into ~/.triton/cache, which stays while the machine is warm.
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$(ls -d "$PWD"/packages/*/src | paste -sd:)
 export PYTHONUNBUFFERED=1
