@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU session for cp-models and the performance docs, run on the device machine after Triton 3.7.1 and fla are
 # staged into /tmp/site (see ../shared/gpu/stage-wheels.sh). One part per call, each inside a 10-minute command:
-#   bash benchmarks/gpu_session_models.sh tests     # kernel agreement tests, SSD kernel choice, vision CP
+#   bash benchmarks/gpu_session_models.sh tests     # kernel agreement tests, SSD kernel choice, vision CP, loss/MoE memory
 #   bash benchmarks/gpu_session_models.sh nemotron  # Nemotron-H Nano 8l step vs transformers; Mamba layer CP speed
 #   bash benchmarks/gpu_session_models.sh scale     # simulated CP scale of 0.8B (128k .. 1M, cp 1 .. 16)
 #   bash benchmarks/gpu_session_models.sh large     # model steps of 2B and 35B-A3B 8l vs transformers
@@ -33,6 +33,7 @@ case "${1:-tests}" in
       2>&1 | tee "$OUT/models_gpu_tests.log" | grep -E "PASS|FAIL|ERROR|rel|moe|norm|loss|passed|failed|s call"
     timeout 120 python3 benchmarks/ssd_kernels.py --out "$OUT" 2>&1 | tail -12
     timeout 100 python3 benchmarks/vision_cp.py --out "$OUT" 2>&1 | tail -14
+    timeout 100 python3 benchmarks/loss_moe_memory.py --out "$OUT" 2>&1 | tail -9  # planner parts alone (no fla)
     ;;
   nemotron)
     versions | tee "$OUT/device.txt"

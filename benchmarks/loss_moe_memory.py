@@ -1,0 +1,126 @@
+"""Two parts of the planner's memory model measured alone on one GPU: the chunked loss's workspace and the MoE's
+saved activations (pure torch: no fla needed).
+
+    python benchmarks/loss_moe_memory.py --out DIR          # CUDA
+    uv run python benchmarks/loss_moe_memory.py --device cpu --tokens 512 --out /tmp/x   # CPU smoke run (no peaks)
+
+loss: ``cp_models.common.token_log_probs`` forward + backward on [T, hidden] bf16 states and the bf16 LM head of a
+shape; peak = max allocated during the step minus what was allocated before it (states, weight, its gradient),
+against ``sft_trainer.plan``'s loss workspace (``LOSS_COEFFICIENTS``).
+moe: one MoE block on the grouped-GEMM path (what the model runs on CUDA bf16); allocated after forward minus before
+(the activations kept for backward plus the block's output), against the planner's per-token "saved" bytes for
+the block plus its output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model_step import load_shape
+
+GIB = 2**30
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _allocated(device: str) -> int:
+    return torch.cuda.memory_allocated() if device.startswith("cuda") else 0
+
+
+def loss_row(shape: str, tokens: int, device: str) -> dict:
+    from cp_models.common import token_log_probs
+    from sft_trainer.plan import estimate_memory
+
+    config = load_shape(shape)
+    weight = torch.randn(config.vocab_size, config.hidden_size, device=device, dtype=torch.bfloat16) * 0.02
+    weight.requires_grad_(True)
+    hidden = torch.randn(tokens, config.hidden_size, device=device, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, config.vocab_size, (tokens,), device=device)
+    for _ in range(2):  # the second step is measured (the weight's gradient exists, as in training)
+        hidden.grad = None
+        _sync(device)
+        base = _allocated(device)
+        if device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        (-token_log_probs(hidden, weight, labels).mean()).backward()
+        _sync(device)
+        ms = (time.perf_counter() - start) * 1000
+    peak = torch.cuda.max_memory_allocated() - base if device.startswith("cuda") else None
+    planned = estimate_memory(config, tokens, 1, activation_checkpointing=True, optimizer=False).loss_workspace
+    return dict(part="loss", shape=shape, tokens=tokens, ms=ms, measured_gib=peak and peak / GIB,
+                planned_gib=planned / GIB)  # fmt: skip
+
+
+def moe_row(shape: str, tokens: int, device: str) -> dict:
+    from cp_models.nemotron_h import NemotronHMoE
+    from cp_models.qwen3_5 import Qwen35SparseMoeBlock
+    from sft_trainer.plan import activation_bytes_per_token
+
+    config = load_shape(shape)
+    torch.manual_seed(0)
+    block = (NemotronHMoE if config.model_type == "nemotron_h" else Qwen35SparseMoeBlock)(config)
+    block = block.to(device=device, dtype=torch.bfloat16)
+    for module in block.modules():
+        if hasattr(module, "_grouped"):  # forward picks it on CUDA bf16; forced so the CPU smoke run takes it too
+            module.forward = module._grouped
+    x = torch.randn(tokens, config.hidden_size, device=device, dtype=torch.bfloat16, requires_grad=True)
+    _sync(device)
+    base = _allocated(device)
+    start = time.perf_counter()
+    out = block(x)
+    _sync(device)
+    kept = _allocated(device) - base
+    out.float().square().mean().backward()
+    _sync(device)
+    ms = (time.perf_counter() - start) * 1000
+    planned = tokens * (activation_bytes_per_token(config, 1)["moe"]["saved"] + config.hidden_size * 2)
+    return dict(part="moe (saved + output)", shape=shape, tokens=tokens, ms=ms,
+                measured_gib=kept / GIB if device.startswith("cuda") else None, planned_gib=planned / GIB)  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=32768)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    args = parser.parse_args()
+    rows = []
+    jobs = [(loss_row, s) for s in ("qwen3_5-0.8b", "qwen3_5-2b", "nemotron_h-nano-8l")]
+    jobs += [(moe_row, s) for s in ("qwen3_5-35b-a3b-8l", "nemotron_h-nano-8l")]
+    for fn, shape in jobs:
+        rows.append(fn(shape, args.tokens, args.device))
+        print(json.dumps(rows[-1]), flush=True)
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
+    lines = [
+        f"# Planner parts measured alone on one {device_name} (bf16, {args.tokens} tokens)",
+        "",
+        "Method in benchmarks/loss_moe_memory.py. Reproduce: `python benchmarks/loss_moe_memory.py`",
+        "",
+        "| part | shape | ms (fwd + bwd) | measured GiB | planner GiB |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        measured = "-" if r["measured_gib"] is None else f"{r['measured_gib']:.2f}"
+        lines.append(f"| {r['part']} | {r['shape']} | {r['ms']:.1f} | {measured} | {r['planned_gib']:.2f} |")
+    text = "\n".join(lines) + "\n"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "loss_moe_memory.md").write_text(text)
+    (args.out / "loss_moe_memory.json").write_text(json.dumps({"device": device_name, "rows": rows}, indent=1))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
