@@ -311,7 +311,7 @@ def layer_share_ms(config, style: str, seq_len: int, cp: int, device: str, reps:
     from cp_models.nemotron_h import NemotronHMamba2Mixer
 
     rank = min(1, cp - 1)
-    with fake_process_group(rank, cp) if cp > 1 else contextlib.nullcontext() as group:
+    with fake_process_group(rank, cp) as group:
         torch.manual_seed(0)
         mixer = NemotronHMamba2Mixer(config, cp_style=style).to(device=device, dtype=torch.bfloat16)
         if cp > 1:

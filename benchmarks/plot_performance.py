@@ -59,12 +59,12 @@ def plot_tokens(out: Path) -> Path:
             )
             if variant == "cp_models + act. ckpt" and shape == "qwen3_5-0.8b":
                 points += [(r["seq_len"], r["tokens_per_s_per_gpu"]) for r in long_rows if r["variant"] == variant]
-            failed = [r["seq_len"] for r in rows if r["shape"] == shape and r["variant"] == variant and r.get("status") != "ok"]  # fmt: skip
+            failed = [r for r in rows if r["shape"] == shape and r["variant"] == variant and r.get("status") != "ok"]
             if points:
                 xs, ys = zip(*sorted(points), strict=True)
                 ax.plot(xs, ys, line, color=color, marker="o", label=variant)
-            for s in failed:
-                ax.annotate("OOM" if "OOM" in str(_status(rows, shape, variant, s)) else "x", (s, 0), color=color,
+            for r in failed:
+                ax.annotate("OOM" if "OOM" in r["status"] else "x", (r["seq_len"], 0), color=color,
                             textcoords="offset points", xytext=(0, 4 + 10 * ("ckpt" in variant)), ha="center",
                             fontsize=7)  # fmt: skip
         ax.set_xscale("log", base=2)
@@ -79,13 +79,6 @@ def plot_tokens(out: Path) -> Path:
     path = out / "tokens_per_s_vs_length.png"
     fig.savefig(path, dpi=120)
     return path
-
-
-def _status(rows, shape, variant, seq_len):
-    for r in rows:
-        if (r["shape"], r["variant"], r["seq_len"]) == (shape, variant, seq_len):
-            return r.get("status")
-    return None
 
 
 def plot_memory(out: Path) -> Path:

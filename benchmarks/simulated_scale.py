@@ -38,10 +38,6 @@ def _sharded(model, cp: int):
     """The model as rank cp // 2 of a fake group of cp ranks for the block (cp = 1: unsharded)."""
     from cp_models import set_context_parallel_attributes
 
-    if cp == 1:
-        set_context_parallel_attributes(model, None, 0, 1)
-        yield
-        return
     rank = cp // 2
     with fake_process_group(rank, cp) as group:
         set_context_parallel_attributes(model, group, rank, cp)

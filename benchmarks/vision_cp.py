@@ -17,7 +17,6 @@ with a random output gradient; median of 3 after 1 warm-up; peak = max memory al
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import time
@@ -63,7 +62,7 @@ def one_rank(model, num_images: int, cp: int, mode: str, device: str, reps: int)
     grids = torch.tensor([[1, side, side]] * num_images)
     pixel_dim = 3 * model.config.vision_config.temporal_patch_size * patch * patch
     pixels = torch.randn(num_images * side * side, pixel_dim, device=device, dtype=torch.bfloat16)
-    with fake_process_group(0, cp) if cp > 1 else contextlib.nullcontext() as group:
+    with fake_process_group(0, cp) as group:
         try:
             set_context_parallel_attributes(model, group, 0, cp)
             model.vision_cp = mode

@@ -42,3 +42,9 @@ def test_refuses_a_second_group_and_a_bad_rank():
     with pytest.raises(ValueError, match=r"rank=4 must be in \[0, world_size=4\)"), fake_process_group(4, 4):
         pass
     assert not dist.is_initialized()
+
+
+def test_one_rank_creates_no_group():
+    with fake_process_group(0, 1) as group:
+        assert group is None and not dist.is_initialized()
+        assert CPTopology.from_group(group).size == 1

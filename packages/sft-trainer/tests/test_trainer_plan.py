@@ -245,11 +245,12 @@ def _recorded_h200_peaks() -> list[tuple[str, int, int, bool, float]]:
     return points
 
 
-def _benchmark_shape(name: str):
+def _benchmark_shapes(names) -> dict:
+    """The transformers configs of benchmark shapes, from benchmarks/model_step.py's own loader."""
     spec = importlib.util.spec_from_file_location("model_step", REPO / "benchmarks/model_step.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.load_shape(name)
+    return {name: module.load_shape(name) for name in names}
 
 
 def test_memory_model_is_within_fifteen_percent_of_every_recorded_h200_peak():
@@ -259,7 +260,7 @@ def test_memory_model_is_within_fifteen_percent_of_every_recorded_h200_peak():
     points = _recorded_h200_peaks()
     shapes = {p[0] for p in points}
     assert len(points) >= 14 and {"qwen3_5-0.8b", "qwen3_5-2b", "nemotron_h-nano-8l", "qwen3_5-35b-a3b-8l"} <= shapes
-    configs = {name: _benchmark_shape(name) for name in shapes}
+    configs = _benchmark_shapes(shapes)
     errors = []
     for shape, seq_len, cp, ckpt, measured in points:
         est = plan.estimate_memory(configs[shape], seq_len, cp, activation_checkpointing=ckpt, optimizer=False)
