@@ -37,6 +37,12 @@ def _plt():
     return plt
 
 
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
 def plot_tokens(out: Path) -> Path:
     plt = _plt()
     rows = json.loads((DOCS / "benchmarks/model_step.json").read_text())["rows"]
@@ -75,10 +81,7 @@ def plot_tokens(out: Path) -> Path:
     axes[0][0].set_ylabel("tokens / s (forward + backward)")
     axes[0][0].legend(fontsize=7)
     fig.suptitle("One H200, bf16: tokens/s vs row length (OOM / x at the bottom: did not run)", fontsize=10)
-    fig.tight_layout()
-    path = out / "tokens_per_s_vs_length.png"
-    fig.savefig(path, dpi=120)
-    return path
+    return _save(fig, out / "tokens_per_s_vs_length.png")
 
 
 def plot_memory(out: Path) -> Path:
@@ -123,10 +126,7 @@ def plot_memory(out: Path) -> Path:
     ax.set_title("Qwen3.5-0.8B, activation checkpointing, bf16, no optimizer", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6)
-    fig.tight_layout()
-    path = out / "memory_vs_cp.png"
-    fig.savefig(path, dpi=120)
-    return path
+    return _save(fig, out / "memory_vs_cp.png")
 
 
 def plot_bytes(out: Path) -> Path:
@@ -158,10 +158,7 @@ def plot_bytes(out: Path) -> Path:
     axes[0].set_ylabel("MiB one rank sends per layer (fwd + bwd)")
     axes[0].legend(fontsize=7)
     fig.suptitle("Bytes per rank per layer: state passing is flat in S, all-to-all grows with S / cp", fontsize=10)
-    fig.tight_layout()
-    path = out / "bytes_vs_length.png"
-    fig.savefig(path, dpi=120)
-    return path
+    return _save(fig, out / "bytes_vs_length.png")
 
 
 PLOTS = {"tokens": plot_tokens, "memory": plot_memory, "bytes": plot_bytes}
@@ -174,7 +171,8 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.only:
-        print(f"wrote {PLOTS[name](args.out).relative_to(REPO) if args.out.is_relative_to(REPO) else args.out}")
+        path = PLOTS[name](args.out)
+        print(f"wrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
 
 
 if __name__ == "__main__":
