@@ -301,7 +301,9 @@ def _median_ms(step, timer: _Timer, reps: int, warmup: int = 2) -> tuple[float, 
     return sorted(times)[len(times) // 2], timer.peak_gib()
 
 
-def layer_share_ms(config, style: str, seq_len: int, cp: int, device: str, reps: int) -> tuple[float, float]:
+def layer_share_ms(
+    config, style: str, seq_len: int, cp: int, device: str, reps: int, profile: bool = False
+) -> tuple[float, float] | str:
     """Forward + backward of one rank's share of one Mamba layer: the real mixer as rank min(1, cp-1) of a fake
     process group (state passing: S/cp tokens incl. halo, correction and pre/post work; a2a: in_proj/norm/out_proj
     on S/cp tokens, conv + scan on S tokens for H/cp heads). Collectives are free here."""
@@ -326,7 +328,31 @@ def layer_share_ms(config, style: str, seq_len: int, cp: int, device: str, reps:
             hidden.grad = None
             mixer(hidden, meta).backward(grad)
 
-        return _median_ms(step, _Timer(device), reps)
+        if not profile:
+            return _median_ms(step, _Timer(device), reps)
+        _median_ms(step, _Timer(device), reps=1)  # compile and warm up outside the trace
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.startswith("cuda"):
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            step()
+            _Timer(device).sync()
+        sort = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+        return prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60)
+
+
+def run_profile(args) -> None:
+    """torch.profiler tables (top ops by self device time) of one step per case, to find where time goes."""
+    base = TINY if args.tiny else NANO
+    config = make_config("M", **{k: v for k, v in base.items() if k not in NANO or NANO[k] != v})
+    seq_len = args.profile
+    lines = [f"# Nemotron-H Nano Mamba-2 layer profiles (S = {seq_len}, one rank's share, fake process group)", ""]
+    for style, cp in (("state_passing", 1), ("state_passing", 2), ("a2a", 2)):
+        table = layer_share_ms(config, style, seq_len, cp, args.device, reps=1, profile=True)
+        lines += [f"## {style}, cp = {cp}", "", "```", table, "```", ""]
+        print(lines[-4][:3000], flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "nemotron_mamba_cp_profile.md").write_text("\n".join(lines))
 
 
 def run_speed(args) -> None:
@@ -337,7 +363,10 @@ def run_speed(args) -> None:
     reps = 1 if args.tiny else args.reps
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     layer_rows, warmed = [], set()
-    for style, cp, seq_len in ((st, c, s) for st in STYLES for c in cps for s in seq_lens):
+    # cp-major, so that a run cut short still compares the strategies at the smaller cp; at cp = 1 both are the
+    # same unsharded layer (the mixer takes its a2a branch only with CP enabled), so it runs once.
+    order = [(st, c, s) for c in cps for st in (STYLES if c > 1 else STYLES[:1]) for s in seq_lens]
+    for style, cp, seq_len in order:
         if (style, cp) not in warmed:  # compile + autotune on a short row (the tuning keys exclude the length)
             layer_share_ms(layer_config, style, min(seq_lens), cp, args.device, reps=1)
             warmed.add((style, cp))
@@ -369,9 +398,25 @@ def _write_speed_table(layer_rows: list[dict], seq_lens, reps: int, device_name:
     ]
     for r in layer_rows:
         lines.append(
-            f"| {r['style']} | {r['seq_len']} | {r['cp']} | {r['compute_ms']:.2f} | {r['peak_gib']:.2f} | {r['bytes'] / 2**20:.2f} "
+            f"| {r['style'] if r['cp'] > 1 else 'either (unsharded)'} | {r['seq_len']} | {r['cp']} | {r['compute_ms']:.2f} | {r['peak_gib']:.2f} | {r['bytes'] / 2**20:.2f} "
             f"| {r['comm_ms']:.3f} | {r['est_total_ms']:.2f} |"
         )
+    unsharded = {r["seq_len"]: r["compute_ms"] for r in layer_rows if r["cp"] == 1}
+    shares = [r for r in layer_rows if r["cp"] > 1 and r["seq_len"] in unsharded]
+    if shares:
+        lines += [
+            "",
+            "Compute of a rank's share vs the ideal (the unsharded layer's time at the same S / cp):",
+            "",
+            "| S | cp | state passing / ideal | a2a / ideal | faster (est. total) |",
+            "|---|---|---|---|---|",
+        ]
+        for seq_len, cp in sorted({(r["seq_len"], r["cp"]) for r in shares}):
+            by = {r["style"]: r for r in shares if (r["seq_len"], r["cp"]) == (seq_len, cp)}
+            ideal = unsharded[seq_len] / cp
+            ratio = [f"{by[st]['compute_ms'] / ideal:.2f}" if st in by else "-" for st in STYLES]
+            faster = min(by, key=lambda st: by[st]["est_total_ms"]) if len(by) == 2 else "-"
+            lines.append(f"| {seq_len} | {cp} | {ratio[0]} | {ratio[1]} | {faster} |")
     lines += [
         "",
         "The whole model (Nano widths, first 8 layers) against transformers' NemotronHForCausalLM in the same run:",
@@ -406,9 +451,13 @@ def main() -> None:
     s.add_argument("--tiny", action="store_true", help="tiny widths and length (CPU debugging of this path)")
     s.add_argument("--seq-lens", type=int, nargs="+", default=None, help="default 8k 32k 128k (256 512 with --tiny)")
     s.add_argument("--reps", type=int, default=5)
+    s.add_argument("--profile", type=int, default=None, metavar="S",
+                   help="instead of the table: profile one step at S tokens (state passing cp 1 and 2, a2a cp 2)")  # fmt: skip
     args = parser.parse_args()
     if args.what == "bytes":
         run_bytes(args.seq_lens, args.cps, args.n_groups, args.out, args.small_hidden, args.check_tokens)
+    elif args.profile:
+        run_profile(args)
     else:
         run_speed(args)
 
