@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -37,11 +38,12 @@ def _allocated(device: str) -> int:
     return torch.cuda.memory_allocated() if device.startswith("cuda") else 0
 
 
-def loss_row(shape: str, tokens: int, device: str) -> dict:
-    from cp_models.common import token_log_probs
-    from sft_trainer.plan import estimate_memory
+def loss_row(shape: str, tokens: int, device: str, chunk: int | None = None) -> dict:
+    from cp_models.common import default_loss_chunk_size, token_log_probs
+    from sft_trainer.plan import loss_workspace_bytes
 
     config = load_shape(shape)
+    chunk = min(chunk or default_loss_chunk_size(config.vocab_size), tokens)
     weight = torch.randn(config.vocab_size, config.hidden_size, device=device, dtype=torch.bfloat16) * 0.02
     weight.requires_grad_(True)
     hidden = torch.randn(tokens, config.hidden_size, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -53,13 +55,13 @@ def loss_row(shape: str, tokens: int, device: str) -> dict:
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        (-token_log_probs(hidden, weight, labels).mean()).backward()
+        (-token_log_probs(hidden, weight, labels, chunk).mean()).backward()
         _sync(device)
         ms = (time.perf_counter() - start) * 1000
     peak = torch.cuda.max_memory_allocated() - base if device.startswith("cuda") else None
-    planned = estimate_memory(config, tokens, 1, activation_checkpointing=True, optimizer=False).loss_workspace
-    return dict(part="loss", shape=shape, tokens=tokens, ms=ms, measured_gib=peak and peak / GIB,
-                planned_gib=planned / GIB)  # fmt: skip
+    planned = loss_workspace_bytes(config.vocab_size, config.hidden_size, chunk, 2)
+    return dict(part=f"loss (chunk {chunk})", shape=shape, tokens=tokens, ms=ms, measured_gib=peak and peak / GIB,
+                planned_gib=planned / GIB, chunk=chunk)  # fmt: skip
 
 
 def moe_row(shape: str, tokens: int, device: str) -> dict:
@@ -93,33 +95,41 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--loss-chunk", type=int, default=None,
+                        help="tokens per loss chunk (default: what the models run, 2**28 // vocab)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     args = parser.parse_args()
     rows = []
     jobs = [(loss_row, s) for s in ("qwen3_5-0.8b", "qwen3_5-2b", "nemotron_h-nano-8l")]
     jobs += [(moe_row, s) for s in ("qwen3_5-35b-a3b-8l", "nemotron_h-nano-8l")]
     for fn, shape in jobs:
-        rows.append(fn(shape, args.tokens, args.device))
+        extra = (args.loss_chunk,) if fn is loss_row else ()
+        rows.append(fn(shape, args.tokens, args.device, *extra))
         print(json.dumps(rows[-1]), flush=True)
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
+    print(write_table(rows, device_name, args.tokens, args.out, shlex.join(sys.argv[1:])))
+
+
+def write_table(rows: list[dict], device_name: str, tokens: int, out: Path, argv: str, notes: str = "") -> str:
     lines = [
-        f"# Planner parts measured alone on one {device_name} (bf16, {args.tokens} tokens)",
+        f"# Planner parts measured alone on one {device_name} (bf16, {tokens} tokens)",
         "",
-        "Method in benchmarks/loss_moe_memory.py. Reproduce: `python benchmarks/loss_moe_memory.py`",
+        f"Method in benchmarks/loss_moe_memory.py. Reproduce: `python benchmarks/loss_moe_memory.py{' ' + argv if argv else ''}`",
         "",
-        "| part | shape | ms (fwd + bwd) | measured GiB | planner GiB |",
-        "|---|---|---|---|---|",
+        "| part | shape | ms (fwd + bwd) | measured GiB | planner GiB | planner / measured |",
+        "|---|---|---|---|---|---|",
     ]
     for r in rows:
         measured = "-" if r["measured_gib"] is None else f"{r['measured_gib']:.2f}"
-        lines.append(f"| {r['part']} | {r['shape']} | {r['ms']:.1f} | {measured} | {r['planned_gib']:.2f} |")
-    text = "\n".join(lines) + "\n"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "loss_moe_memory.md").write_text(text)
-    (args.out / "loss_moe_memory.json").write_text(json.dumps({"device": device_name, "rows": rows}, indent=1))
-    print(text)
+        ratio = "-" if r["measured_gib"] is None else f"{r['planned_gib'] / r['measured_gib']:.3f}"
+        lines.append(f"| {r['part']} | {r['shape']} | {r['ms']:.1f} | {measured} | {r['planned_gib']:.2f} | {ratio} |")
+    text = "\n".join(lines) + "\n" + (f"\n{notes}\n" if notes else "")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "loss_moe_memory.md").write_text(text)
+    (out / "loss_moe_memory.json").write_text(json.dumps({"device": device_name, "rows": rows}, indent=1))
+    return text
 
 
 if __name__ == "__main__":

@@ -195,13 +195,23 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
         return grad_hidden, grad_weight.to(weight.dtype), None, None
 
 
+LOSS_CHUNK_ELEMENTS = 1 << 28
+"""Default chunk of the chunked loss: this many logits (1 GiB in fp32) per chunk of tokens."""
+
+
+def default_loss_chunk_size(vocab_size: int) -> int:
+    return max(1, LOSS_CHUNK_ELEMENTS // vocab_size)
+
+
 def token_log_probs(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 4096
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int | None = None
 ) -> torch.Tensor:
     """Per-token ``log softmax(hidden @ weight.T)[label]`` in fp32 ([T]); never builds [T, vocab] logits.
 
     Labels < 0 (ignored tokens) give 0 and no gradient; combine with a loss mask by multiplication.
+    ``chunk_size`` tokens per chunk (default: :func:`default_loss_chunk_size` of the vocabulary, as the models use).
     """
+    chunk_size = chunk_size or default_loss_chunk_size(weight.size(0))
     if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
         raise ContextParallelError(
             f"hidden must be [T, H] and labels [T]; got {tuple(hidden.shape)} and {tuple(labels.shape)}"
@@ -319,8 +329,7 @@ def causal_lm_output(
     out = CausalLMOutput(hidden_states=hidden)
     if labels is not None:
         labels = labels[0] if labels.dim() == 2 else labels
-        chunk = loss_chunk_size or max(1, (1 << 28) // lm_head.out_features)
-        out.token_log_probs = token_log_probs(hidden, lm_head.weight, labels, chunk)
+        out.token_log_probs = token_log_probs(hidden, lm_head.weight, labels, loss_chunk_size)
     if return_logits or (return_logits is None and labels is None):
         out.logits = lm_head(hidden)
     return out

@@ -26,6 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from cp_models.common import default_loss_chunk_size
+
 # ----------------------------------------------------------------------------------------------------------
 # Memory coefficients (calibrate these)
 #
@@ -199,7 +201,6 @@ ACTIVATION_COEFFICIENTS: dict[str, dict[str, dict[str, float]]] = {
 # computed), the logits in the activation dtype, their fp32 cast inside softmax(dtype=float32) and the fp32
 # softmax. Calibrated on an H200 (docs/benchmarks/model_step.json: a fixed 4.1 GiB above weights, gradients and
 # saved activations for Qwen3.5-0.8B at 8k and 32k, with and without checkpointing; this model says 3.95 GiB).
-LOSS_CHUNK_ELEMENTS = 1 << 28
 LOSS_COEFFICIENTS = {
     "weight_grad_f32": 1.0,  # x vocab x hidden x 4 bytes
     "chunk_f32": 2.0,  # x chunk x vocab x 4 bytes (the fp32 cast of the logits and the softmax)
@@ -607,7 +608,16 @@ def activation_bytes_per_token(
 
 def loss_chunk_tokens(vocab_size: int, local_tokens: int) -> int:
     """Tokens per chunk of the chunked cross-entropy (cp_models.common.causal_lm_output), at most the shard."""
-    return min(max(1, LOSS_CHUNK_ELEMENTS // vocab_size), local_tokens)
+    return min(default_loss_chunk_size(vocab_size), local_tokens)
+
+
+def loss_workspace_bytes(vocab_size: int, hidden_size: int, chunk_tokens: int, elem_bytes: int) -> float:
+    """The chunked loss's backward peak (see ``LOSS_COEFFICIENTS``) for chunks of ``chunk_tokens`` tokens."""
+    return (
+        LOSS_COEFFICIENTS["weight_grad_f32"] * vocab_size * hidden_size * 4
+        + LOSS_COEFFICIENTS["chunk_f32"] * chunk_tokens * vocab_size * 4
+        + LOSS_COEFFICIENTS["chunk_act"] * chunk_tokens * vocab_size * elem_bytes
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -730,12 +740,7 @@ def estimate_memory(
         activations = t * (sum(s for s, _ in blocks) + model_saved)
         layer = t * max(tr for _, tr in blocks)
     vocab, hidden = text_config.vocab_size, text_config.hidden_size
-    chunk = loss_chunk_tokens(vocab, t)
-    loss = (
-        LOSS_COEFFICIENTS["weight_grad_f32"] * vocab * hidden * 4
-        + LOSS_COEFFICIENTS["chunk_f32"] * chunk * vocab * 4
-        + LOSS_COEFFICIENTS["chunk_act"] * chunk * vocab * elem
-    )
+    loss = loss_workspace_bytes(vocab, hidden, loss_chunk_tokens(vocab, t), elem)
     total = parameters + gradients + opt + activations + max(loss, layer)
     headroom = HEADROOM["fixed_gib"] * GIB + HEADROOM["fraction"] * total
     return MemoryEstimate(
