@@ -2,8 +2,11 @@
 # GPU session for cp-models and the performance docs, run on the device machine after Triton 3.7.1 and fla are
 # staged into /tmp/site (see ../shared/gpu/stage-wheels.sh). One part per call, each inside a 10-minute command:
 #   bash benchmarks/gpu_session_models.sh tests     # kernel agreement tests, SSD kernel choice, vision CP, loss/MoE memory
+#   bash benchmarks/gpu_session_models.sh layer     # loss/MoE memory alone; Mamba-2 layer speed of both CP strategies
+#   bash benchmarks/gpu_session_models.sh profile   # torch.profiler tables of the Mamba-2 layer (state passing vs a2a)
 #   bash benchmarks/gpu_session_models.sh nemotron  # Nemotron-H Nano 8l step vs transformers; Mamba layer CP speed
-#   bash benchmarks/gpu_session_models.sh scale     # simulated CP scale of 0.8B (128k .. 1M, cp 1 .. 16)
+#   bash benchmarks/gpu_session_models.sh scale     # simulated CP scale of 0.8B (128k .. 512k, cp 1 .. 8)
+#   bash benchmarks/gpu_session_models.sh scale-memory  # per-rank peaks at cp 2..8 (128k, 256k) vs the ideal
 #   bash benchmarks/gpu_session_models.sh large     # model steps of 2B and 35B-A3B 8l vs transformers
 # Logs and tables land under $OUT. Compilation and autotuning of fla's kernels cost minutes per fresh machine (the
 # first step of a new process: ~175 s for a Qwen3.5 model; a lone Mamba layer did not finish in 150 s), so every part
@@ -35,6 +38,16 @@ case "${1:-tests}" in
     timeout 100 python3 benchmarks/vision_cp.py --out "$OUT" 2>&1 | tail -14
     timeout 100 python3 benchmarks/loss_moe_memory.py --out "$OUT" 2>&1 | tail -9  # planner parts alone (no fla)
     ;;
+  layer)
+    versions | tee "$OUT/device.txt"
+    mkdir -p "$OUT/layer"
+    timeout 90 python3 benchmarks/loss_moe_memory.py --out "$OUT" 2>&1 | tail -9
+    timeout 460 python3 benchmarks/nemotron_mamba_cp.py speed --out "$OUT/layer" --reps 3 2>&1 | tee "$OUT/layer/log.txt" | tail -26
+    ;;
+  profile)  # where state passing's extra per-token time goes (docs/benchmarks/nemotron_mamba_cp_speed.md)
+    mkdir -p "$OUT/layer"
+    timeout 400 python3 benchmarks/nemotron_mamba_cp.py speed --profile 32768 --out "$OUT/layer" 2>&1 | tail -40
+    ;;
   nemotron)
     versions | tee "$OUT/device.txt"
     mkdir -p "$OUT/nemotron" "$OUT/layer"
@@ -45,8 +58,15 @@ case "${1:-tests}" in
   scale)
     mkdir -p "$OUT/scale"
     timeout 560 python3 benchmarks/simulated_scale.py --out "$OUT/scale" --shape qwen3_5-0.8b --limit-s 150 \
-      --points 131072:1 262144:1 131072:2 131072:4 131072:8 262144:8 524288:8 1048576:8 2097152:16 \
+      --points 131072:1 131072:2 131072:4 131072:8 262144:8 524288:8 \
       2>&1 | tee "$OUT/scale/log.txt" | grep -E "^\||^\{"
+    ;;
+  scale-memory)  # per-rank peaks at cp 2..8 only (the ideal from the recorded cp = 1 peaks); loss/MoE parts first
+    mkdir -p "$OUT/scale"
+    timeout 60 python3 benchmarks/loss_moe_memory.py --out "$OUT" 2>&1 | tail -9
+    timeout "${SCALE_S:-380}" python3 benchmarks/simulated_scale.py --out "$OUT/scale" --shape qwen3_5-0.8b \
+      --limit-s 150 --memory-only --warmup-tokens 4096 --baseline docs/benchmarks/simulated_scale_qwen3_5-0.8b.json \
+      --points 262144:2 262144:4 131072:8 262144:8 2>&1 | tee "$OUT/scale/log.txt" | grep -E "^\||^\{"
     ;;
   large)
     mkdir -p "$OUT/large"

@@ -73,6 +73,18 @@ def run(args, on_row) -> list[dict]:
                 model.zero_grad(set_to_none=True)
                 warmed.add(cp)
             ids = torch.randint(0, config.vocab_size, (seq_len // cp,), generator=generator).to(args.device)
+            if args.memory_only:  # one uncounted step: its peak; its time includes first-call costs, so no rate
+                started = time.perf_counter()
+                result = timed_steps(lambda x, s=seq_len: step(x, [s]), ids, args.device, reps=1, warmup=0,
+                                     limit_s=args.limit_s)  # fmt: skip
+                row.update(status=result["status"], peak_gib=result.get("peak_gib"), memory_only=True,
+                           first_step_s=result.get("first_step_s"), wall_s=time.perf_counter() - started,
+                           static_gib=None if static is None else static + grads_gib)  # fmt: skip
+                model.zero_grad(set_to_none=True)
+                rows.append(row)
+                on_row(rows)
+                free(args.device)
+                continue
             counter = CommCounter(cp)
             started = time.perf_counter()
 
@@ -82,7 +94,10 @@ def run(args, on_row) -> list[dict]:
 
             # The first step at this exact shape counts the bytes; the second, outside the counter's dispatch mode, is
             # the one timed (an earlier version timed the counted step and saw 128k take 48 s at cp 1).
-            first = timed_steps(counted, ids, args.device, reps=1, warmup=0, limit_s=args.limit_s)
+            # cp = 1 issues no collectives: its first step runs outside the counter (still before the timed one: the
+            # first step at a new length pays first-call costs: 74 s at 128k on the H200, where 256k's second step took 35 s).
+            first = timed_steps(counted if cp > 1 else (lambda x, s=seq_len: step(x, [s])), ids, args.device,
+                                reps=1, warmup=0, limit_s=args.limit_s)  # fmt: skip
             model.zero_grad(set_to_none=True)
             result = first
             if first["status"] == "ok":
@@ -106,16 +121,27 @@ def run(args, on_row) -> list[dict]:
     return rows
 
 
-def _ideal(rows: list[dict]) -> None:
-    """Ideal per-rank memory at cp = N from the cp = 1 run at the same S: activations / N + static."""
-    base = {r["seq_len"]: r for r in rows if r["cp"] == 1 and r.get("status") == "ok" and r.get("peak_gib")}
+def _ideal(rows: list[dict], baseline: Path | None = None) -> None:
+    """Ideal per-rank memory at cp = N from the cp = 1 run at the same S: activations / N + static. A cp = 1 row of
+    this run comes first; else one from ``baseline`` (an earlier run's json of the same shape and variant), named in
+    the row's ``ideal_base``."""
+
+    def ones(candidates: list[dict]) -> dict[int, dict]:
+        return {r["seq_len"]: r for r in candidates if r["cp"] == 1 and r.get("status") == "ok" and r.get("peak_gib")}
+
+    base = ones(rows)
+    earlier: dict[int, dict] = {}
+    if baseline is not None:
+        kept = json.loads(baseline.read_text())["rows"]
+        earlier = ones([r for r in kept if r["shape"] == rows[0]["shape"] and r["variant"] == rows[0]["variant"]])
     for r in rows:
-        one = base.get(r["seq_len"])
-        if one is None or r.get("status") != "ok" or not r.get("peak_gib"):
+        one = base.get(r["seq_len"]) or earlier.get(r["seq_len"])
+        if one is None or r.get("status") != "ok" or not r.get("peak_gib") or r["cp"] == 1:
             continue
         static = r["static_gib"]
         r["ideal_gib"] = (one["peak_gib"] - static) / r["cp"] + static
         r["vs_ideal"] = r["peak_gib"] / r["ideal_gib"]
+        r["ideal_base"] = "this run" if r["seq_len"] in base else f"{baseline.name} ({one['peak_gib']:.2f} GiB)"
 
 
 def write_table(rows: list[dict], args, device_name: str) -> str:
@@ -140,10 +166,24 @@ def write_table(rows: list[dict], args, device_name: str) -> str:
             continue
         peak = "-" if r.get("peak_gib") is None else f"{r['peak_gib']:.1f}"
         ideal = f"{r['ideal_gib']:.1f} | {r['vs_ideal']:.3f}" if "ideal_gib" in r else "- | -"
+        if r.get("memory_only"):
+            lines.append(
+                head + f"| (memory only; first step {r['first_step_s']:.0f} s) | - | - | - | - | {peak} | {ideal} |"
+            )
+            continue
         lines.append(
             head + f"| {r['ms']:.0f} | {r['bytes_sent'] / 2**20:.1f} | {r['comm_ms']:.1f} | {r['est_step_ms']:.0f} "
             f"| {r['tokens_per_s_per_gpu']:.0f} | {peak} | {ideal} |"
         )
+    bases = sorted({r["ideal_base"] for r in rows if r.get("ideal_base", "this run") != "this run"})
+    if bases:
+        lines += [
+            "",
+            f"cp = 1 peaks for the ideal taken from an earlier run of the same shape and variant: {', '.join(bases)}.",
+        ]
+    if any(r.get("memory_only") for r in rows):
+        lines += ["", "memory only (`--memory-only`): one uncounted step per point, for its peak; its wall time includes",
+                  "first-call costs at a new shape, so no rate is derived from it."]  # fmt: skip
     text = "\n".join(lines) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"simulated_scale_{args.shape}"
@@ -164,12 +204,16 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    parser.add_argument("--memory-only", action="store_true",
+                        help="one uncounted step per point: peak memory only (no bytes, no rate)")  # fmt: skip
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="an earlier run's json whose cp = 1 rows give the ideal where this run has none")  # fmt: skip
     args = parser.parse_args()
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
 
     def on_row(rows):  # rewritten after every point, so a run cut short keeps what it measured
         print(json.dumps(rows[-1]), flush=True)
-        _ideal(rows)
+        _ideal(rows, args.baseline)
         write_table(rows, args, device_name)
 
     print(write_table(run(args, on_row), args, device_name))
