@@ -367,7 +367,7 @@ def run_speed(args) -> None:
     # same unsharded layer (the mixer takes its a2a branch only with CP enabled), so it runs once.
     order = [(st, c, s) for c in cps for st in (STYLES if c > 1 else STYLES[:1]) for s in seq_lens]
     for style, cp, seq_len in order:
-        if (style, cp) not in warmed:  # compile + autotune on a short row (the tuning keys exclude the length)
+        if (style, cp) not in warmed:  # compile + autotune on a short row (each length then gets 2 warm-up steps)
             layer_share_ms(layer_config, style, min(seq_lens), cp, args.device, reps=1)
             warmed.add((style, cp))
         ms, peak = layer_share_ms(layer_config, style, seq_len, cp, args.device, reps)

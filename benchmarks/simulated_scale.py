@@ -7,7 +7,7 @@ Each point S:cp builds nothing new: the model (bf16, activation checkpointing un
 rank cp // 2 of a ``fake`` group of cp ranks (its collectives return at once with the right shapes and garbage
 data), then runs forward + backward of that rank's S / cp tokens of one document spanning the row (every rank
 passes recurrent state and conv halo; attention is Ulysses, so each rank computes S x heads / cp). A short row per
-cp compiles and autotunes first (fla's tuning keys exclude the length). Measured at each point: the bytes this rank
+cp compiles and autotunes first (most of fla's tuning keys exclude the length; its norms' do not). Measured at each point: the bytes this rank
 sends, under ``cp_core.testing.CommCounter`` during a first step at the exact shape (checkpointing's recomputed
 forward collectives included; its wall time is kept as first_step_s), then compute time and peak allocated memory
 of a second, uncounted step. Estimated: communication time = bytes / --nvlink-gbps (stated per-direction NVLink
@@ -66,7 +66,7 @@ def run(args, on_row) -> list[dict]:
                 on_row(rows)
                 continue
             generator = torch.Generator().manual_seed(0)
-            if cp not in warmed:  # compile + autotune on a short row: fla's tuning keys exclude the length
+            if cp not in warmed:  # compile + autotune on a short row (most of fla's tuning keys exclude the length)
                 short = max(args.warmup_tokens, cp) // cp * cp
                 ids = torch.randint(0, config.vocab_size, (short // cp,), generator=generator).to(args.device)
                 timed_steps(lambda x, s=short: step(x, [s]), ids, args.device, reps=1, warmup=1)
