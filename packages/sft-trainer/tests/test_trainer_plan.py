@@ -330,6 +330,49 @@ def test_moe_saved_bytes_equal_what_autograd_saves_on_the_grouped_path(family):
     assert planned == pytest.approx(counted, rel=0.03), (planned, counted)
 
 
+def test_mamba_state_passing_correction_saves_what_the_planner_counts():
+    """The extra bytes a Mamba-2 layer keeps for backward under state passing at cp > 1 (ssd_cp's first-document
+    correction), per token: autograd's saved bytes of a mixer as rank 1 of a fake group of 2 minus the unsharded
+    mixer's, as a slope between two lengths (the halo and the passed state are per-call constants)."""
+    from cp_models.common import set_context_parallel_attributes
+    from cp_models.nemotron_h import NemotronHMamba2Mixer
+
+    config = tiny_nemotron_h_config()
+    torch.manual_seed(0)
+    # bf16, as on the GPU: there the correction's fp32 copy of C is a tensor of its own.
+    mixer = NemotronHMamba2Mixer(config, recurrent_backend="torch", cp_style="state_passing").to(torch.bfloat16)
+    params = {p.untyped_storage().data_ptr() for p in mixer.parameters()}
+
+    def saved_bytes(tokens: int, cp: int) -> int:
+        rank = min(1, cp - 1)
+        with fake_process_group(rank, cp) as group:
+            if cp > 1:
+                set_context_parallel_attributes(mixer, group, rank, cp)
+            meta = build_packed_metadata([tokens * cp], rank, cp)
+            x = torch.randn(tokens, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+            storages = {}
+
+            def pack(t):
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in params:
+                    storages[storage.data_ptr()] = storage.nbytes()
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                mixer(x, meta)
+            if cp > 1:
+                set_context_parallel_attributes(mixer, None, 0, 1)
+            return sum(storages.values())
+
+    def slope(cp: int) -> float:
+        return (saved_bytes(128, cp) - saved_bytes(64, cp)) / 64
+
+    counted = slope(2) - slope(1)
+    per_token = {cp: plan.activation_bytes_per_token(config, cp)["mamba"]["saved"] for cp in (1, 2)}
+    assert per_token[2] - per_token[1] == pytest.approx(counted, rel=0.02), (per_token, counted)
+    assert counted > 0
+
+
 def test_memory_breakdown_follows_the_trainer_layout():
     config = shipped("qwen3_5-2b")
     p = plan.count_parameters(config)

@@ -203,6 +203,10 @@ def ssd_cp(
     # Exact correction of the first document: S_t gains exp(sum_{i<=t} a_i) S0, so y_t gains that times S0 C_t.
     first = slice(0, lens[0])
     decay = log_decay[first].cumsum(0).exp()  # [T0, H]
-    c_first = upcast(_heads(C[first], x.size(1)))  # [T0, H, N]
-    correction = decay[..., None] * torch.einsum("hpn,thn->thp", first_state, c_first)
+    # Per group, not per head: C stays [T0, G, N] (H/G times smaller than expanded to heads, in fp32), and the
+    # group's heads are one matmul's columns (head h = g (H/G) + j, as in _heads).
+    heads, groups, head_dim = x.size(1), C.size(1), x.size(2)
+    state = first_state.reshape(groups, heads // groups * head_dim, -1)  # [G, (H/G) P, N]
+    correction = torch.einsum("gmn,tgn->tgm", state, upcast(C[first])).reshape(-1, heads, head_dim)
+    correction = decay[..., None] * correction
     return torch.cat([y[first] + correction.to(y.dtype), y[lens[0] :]])

@@ -155,11 +155,11 @@ ACTIVATION_COEFFICIENTS: dict[str, dict[str, dict[str, float]]] = {
             "mamba_in_proj": 1,
         },
     },
-    # Mamba-2 state passing at cp > 1 (every rank): ssd_cp's exact first-document correction keeps C expanded to
-    # heads in fp32 (einsum input), the einsum output in fp32 and the cumulative decay (for the shard's first
-    # document: the whole shard when one document spans the row).
+    # Mamba-2 state passing at cp > 1 (every rank): ssd_cp's exact first-document correction keeps C per group in
+    # fp32 (the einsum's input), the einsum output in fp32 and the cumulative decay (for the shard's first
+    # document: the whole shard when one document spans the row). Checked against autograd's saved bytes.
     "nemotron_h.mamba_correction": {
-        "saved": {"mamba_hn_f32": 1, "mamba_hp_f32": 1, "mamba_heads_f32": 1},
+        "saved": {"mamba_gn_f32": 1, "mamba_hp_f32": 1, "mamba_heads_f32": 1},
         "transient": {},
     },
     # Attention without gate, norms or rotary: normed input; the gathered q, k, v; the attention output; the
@@ -549,6 +549,7 @@ def layer_widths(text_config, cp: int, mamba_cp_style: str = "state_passing") ->
             mamba_conv_local=inner + 2 * max(g, cp) * n if head_parallel else conv,
             mamba_heads=heads,
             mamba_hn=heads * n,
+            mamba_gn=g * n,
             mamba_hp=inner,
             mamba_groups=g,
             mamba_chunk_state=heads * p * n / FLA_CHUNK,
