@@ -289,6 +289,22 @@ def test_loss_and_moe_parts_are_within_five_percent_of_their_recorded_h200_peaks
             ("moe", "nemotron_h-nano-8l")} <= kinds  # fmt: skip
 
 
+def _bytes_saved_for_backward(module: torch.nn.Module, run) -> int:
+    """Bytes of the distinct storages autograd keeps for backward while ``run()`` runs, parameters left out."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    storages = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(storages.values())
+
+
 @pytest.mark.skipif(not hasattr(torch.nn.functional, "grouped_mm"), reason="torch without grouped_mm")
 @pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
 def test_moe_saved_bytes_equal_what_autograd_saves_on_the_grouped_path(family):
@@ -308,22 +324,11 @@ def test_moe_saved_bytes_equal_what_autograd_saves_on_the_grouped_path(family):
     for module in block.modules():
         if hasattr(module, "_grouped"):  # what forward picks on CUDA bf16
             module.forward = module._grouped
-    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
 
     def saved_bytes(tokens: int) -> int:
         torch.manual_seed(0)
         x = torch.randn(tokens, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
-        storages = {}
-
-        def pack(t):
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in params:
-                storages[storage.data_ptr()] = storage.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            block(x)
-        return sum(storages.values())
+        return _bytes_saved_for_backward(block, lambda: block(x))
 
     counted = (saved_bytes(512) - saved_bytes(256)) / 256
     planned = plan.activation_bytes_per_token(config, 1)["moe"]["saved"]
@@ -341,7 +346,6 @@ def test_mamba_state_passing_correction_saves_what_the_planner_counts():
     torch.manual_seed(0)
     # bf16, as on the GPU: there the correction's fp32 copy of C is a tensor of its own.
     mixer = NemotronHMamba2Mixer(config, recurrent_backend="torch", cp_style="state_passing").to(torch.bfloat16)
-    params = {p.untyped_storage().data_ptr() for p in mixer.parameters()}
 
     def saved_bytes(tokens: int, cp: int) -> int:
         rank = min(1, cp - 1)
@@ -350,19 +354,10 @@ def test_mamba_state_passing_correction_saves_what_the_planner_counts():
                 set_context_parallel_attributes(mixer, group, rank, cp)
             meta = build_packed_metadata([tokens * cp], rank, cp)
             x = torch.randn(tokens, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
-            storages = {}
-
-            def pack(t):
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in params:
-                    storages[storage.data_ptr()] = storage.nbytes()
-                return t
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                mixer(x, meta)
+            saved = _bytes_saved_for_backward(mixer, lambda: mixer(x, meta))
             if cp > 1:
                 set_context_parallel_attributes(mixer, None, 0, 1)
-            return sum(storages.values())
+            return saved
 
     def slope(cp: int) -> float:
         return (saved_bytes(128, cp) - saved_bytes(64, cp)) / 64
