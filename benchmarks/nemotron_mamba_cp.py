@@ -391,7 +391,7 @@ def _write_speed_table(layer_rows: list[dict], seq_lens, reps: int, device_name:
         f"in the bytes mode) / {NVLINK_GBPS:.0f} GB/s; est. total = compute + comm, no overlap, no latency.",
         f"Median of {reps} after 2 warm-ups (and one short warm-up row per strategy and cp for compilation).",
         "",
-        "Reproduce: `python benchmarks/nemotron_mamba_cp.py speed --out DIR`",
+        f"Reproduce: `python benchmarks/nemotron_mamba_cp.py speed --reps {reps} --out DIR`",
         "",
         "| strategy | S | cp | compute ms | peak GiB | MiB sent | est. comm ms | est. total ms |",
         "|---|---|---|---|---|---|---|---|",
