@@ -301,12 +301,11 @@ def _median_ms(step, timer: _Timer, reps: int, warmup: int = 2) -> tuple[float, 
     return sorted(times)[len(times) // 2], timer.peak_gib()
 
 
-def layer_share_ms(
-    config, style: str, seq_len: int, cp: int, device: str, reps: int, profile: bool = False
-) -> tuple[float, float] | str:
-    """Forward + backward of one rank's share of one Mamba layer: the real mixer as rank min(1, cp-1) of a fake
-    process group (state passing: S/cp tokens incl. halo, correction and pre/post work; a2a: in_proj/norm/out_proj
-    on S/cp tokens, conv + scan on S tokens for H/cp heads). Collectives are free here."""
+@contextlib.contextmanager
+def _layer_share_step(config, style: str, seq_len: int, cp: int, device: str):
+    """Yields forward + backward of one rank's share of one Mamba layer: the real mixer as rank min(1, cp-1) of a
+    fake process group (state passing: S/cp tokens incl. halo, correction and pre/post work; a2a: in_proj/norm/
+    out_proj on S/cp tokens, conv + scan on S tokens for H/cp heads). Collectives are free here."""
     from cp_core import build_packed_metadata
     from cp_core.testing import fake_process_group
     from cp_models.common import set_context_parallel_attributes
@@ -328,8 +327,18 @@ def layer_share_ms(
             hidden.grad = None
             mixer(hidden, meta).backward(grad)
 
-        if not profile:
-            return _median_ms(step, _Timer(device), reps)
+        yield step
+
+
+def layer_share_ms(config, style: str, seq_len: int, cp: int, device: str, reps: int) -> tuple[float, float]:
+    """(median ms, peak GiB) of one rank's share (see ``_layer_share_step``)."""
+    with _layer_share_step(config, style, seq_len, cp, device) as step:
+        return _median_ms(step, _Timer(device), reps)
+
+
+def layer_share_profile(config, style: str, seq_len: int, cp: int, device: str) -> str:
+    """torch.profiler's table (top ops by self device time) of one step of a rank's share, after a warm-up."""
+    with _layer_share_step(config, style, seq_len, cp, device) as step:
         _median_ms(step, _Timer(device), reps=1)  # compile and warm up outside the trace
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.startswith("cuda"):
@@ -337,18 +346,23 @@ def layer_share_ms(
         with torch.profiler.profile(activities=activities) as prof:
             step()
             _Timer(device).sync()
-        sort = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
-        return prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60)
+    sort = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60)
+
+
+def _layer_config(tiny: bool):
+    """A one-layer ("M") config of the Nano widths, or of the tiny ones."""
+    base = TINY if tiny else NANO
+    return base, make_config("M", **{k: v for k, v in base.items() if k not in NANO or NANO[k] != v})
 
 
 def run_profile(args) -> None:
-    """torch.profiler tables (top ops by self device time) of one step per case, to find where time goes."""
-    base = TINY if args.tiny else NANO
-    config = make_config("M", **{k: v for k, v in base.items() if k not in NANO or NANO[k] != v})
+    """Profiles of one step per case (state passing at cp 1 and 2, a2a at cp 2), to find where time goes."""
+    _, config = _layer_config(args.tiny)
     seq_len = args.profile
     lines = [f"# Nemotron-H Nano Mamba-2 layer profiles (S = {seq_len}, one rank's share, fake process group)", ""]
     for style, cp in (("state_passing", 1), ("state_passing", 2), ("a2a", 2)):
-        table = layer_share_ms(config, style, seq_len, cp, args.device, reps=1, profile=True)
+        table = layer_share_profile(config, style, seq_len, cp, args.device)
         lines += [f"## {style}, cp = {cp}", "", "```", table, "```", ""]
         print(lines[-4][:3000], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -356,10 +370,9 @@ def run_profile(args) -> None:
 
 
 def run_speed(args) -> None:
-    base = TINY if args.tiny else NANO
+    base, layer_config = _layer_config(args.tiny)
     seq_lens = args.seq_lens or ([256, 512] if args.tiny else [8192, 32768, 131072])
     cps = [c for c in (1, 2, 4, 8) if base["mamba_num_heads"] % c == 0]
-    layer_config = make_config("M", **{k: v for k, v in base.items() if k not in NANO or NANO[k] != v})
     reps = 1 if args.tiny else args.reps
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     layer_rows, warmed = [], set()

@@ -73,45 +73,39 @@ def run(args, on_row) -> list[dict]:
                 model.zero_grad(set_to_none=True)
                 warmed.add(cp)
             ids = torch.randint(0, config.vocab_size, (seq_len // cp,), generator=generator).to(args.device)
-            if args.memory_only:  # one uncounted step: its peak; its time includes first-call costs, so no rate
-                started = time.perf_counter()
-                result = timed_steps(lambda x, s=seq_len: step(x, [s]), ids, args.device, reps=1, warmup=0,
-                                     limit_s=args.limit_s)  # fmt: skip
-                row.update(status=result["status"], peak_gib=result.get("peak_gib"), memory_only=True,
-                           first_step_s=result.get("first_step_s"), wall_s=time.perf_counter() - started,
-                           static_gib=None if static is None else static + grads_gib)  # fmt: skip
-                model.zero_grad(set_to_none=True)
-                rows.append(row)
-                on_row(rows)
-                free(args.device)
-                continue
             counter = CommCounter(cp)
-            started = time.perf_counter()
 
-            def counted(x, s=seq_len, counter=counter):
+            def plain(x, s=seq_len):
+                return step(x, [s])
+
+            def counted(x, counter=counter):
                 with counter:
-                    return step(x, [s])
+                    return plain(x)
 
             # The first step at this exact shape counts the bytes; the second, outside the counter's dispatch mode, is
-            # the one timed (an earlier version timed the counted step and saw 128k take 48 s at cp 1).
-            # cp = 1 issues no collectives: its first step runs outside the counter (still before the timed one: the
-            # first step at a new length pays first-call costs: 74 s at 128k on the H200, where 256k's second step took 35 s).
-            first = timed_steps(counted if cp > 1 else (lambda x, s=seq_len: step(x, [s])), ids, args.device,
-                                reps=1, warmup=0, limit_s=args.limit_s)  # fmt: skip
+            # the one timed (an earlier version timed the counted step and saw 128k take 48 s at cp 1). cp = 1 issues
+            # no collectives and --memory-only wants only the peak: their first step runs uncounted. The first step
+            # at a new length pays first-call costs (74 s at 128k on the H200, where 256k's second step took 35 s),
+            # so --memory-only derives no rate from it.
+            started = time.perf_counter()
+            first_step = plain if cp == 1 or args.memory_only else counted
+            first = timed_steps(first_step, ids, args.device, reps=1, warmup=0, limit_s=args.limit_s)
             model.zero_grad(set_to_none=True)
             result = first
-            if first["status"] == "ok":
-                result = timed_steps(lambda x, s=seq_len: step(x, [s]), ids, args.device, reps=1, warmup=0,
-                                     limit_s=args.limit_s)  # fmt: skip
+            if first["status"] == "ok" and not args.memory_only:
+                result = timed_steps(plain, ids, args.device, reps=1, warmup=0, limit_s=args.limit_s)
             row.update(result, first_step_s=first.get("first_step_s"), wall_s=time.perf_counter() - started)
             model.zero_grad(set_to_none=True)
-            if result["status"] == "ok":
+            row["static_gib"] = None if static is None else static + grads_gib
+            if args.memory_only:
+                row.update(memory_only=True, ms=None)
+            elif result["status"] == "ok":
                 sent = counter.total_sent_bytes
                 row.update(
                     bytes_sent=sent,
                     collectives=len(counter.records),
                     comm_ms=sent / (args.nvlink_gbps * 1e9) * 1000,
-                    static_gib=None if static is None else static + grads_gib,
+                    timed_step="second step at the shape, uncounted",
                 )
                 row["est_step_ms"] = row["ms"] + row["comm_ms"]
                 row["tokens_per_s_per_gpu"] = seq_len / cp / row["est_step_ms"] * 1000
