@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_session_models.sh scale     # simulated CP scale of 0.8B (128k .. 512k, cp 1 .. 8)
 #   bash benchmarks/gpu_session_models.sh scale-memory  # per-rank peaks at cp 2..8 (128k, 256k) vs the ideal
 #   bash benchmarks/gpu_session_models.sh large     # model steps of 2B and 35B-A3B 8l vs transformers
+#   bash benchmarks/gpu_session_models.sh moe-vs-hf # 35B-A3B 8l at 32k: the variants not yet recorded (transformers)
 # Logs and tables land under $OUT. Compilation and autotuning of fla's kernels cost minutes per fresh machine (the
 # first step of a new process: ~175 s for a Qwen3.5 model; a lone Mamba layer did not finish in 150 s), so every part
 # leaves the Triton cache (compiled kernels and fla's autotuning results) in $OUT/triton-cache.tgz; copy it to
@@ -72,5 +73,11 @@ case "${1:-tests}" in
     mkdir -p "$OUT/large"
     timeout 560 python3 benchmarks/model_step.py --out "$OUT/large" --shapes qwen3_5-2b qwen3_5-35b-a3b-8l \
       --seq-lens 8192 32768 --limit-s 60 --first-step-limit-s 240 --reps 2 --variants "${VARIANTS[@]}" 2>&1 | tee "$OUT/large/log.txt" | grep -E "^\||built"
+    ;;
+  moe-vs-hf)  # cp_models (no ckpt) at 32k is recorded in docs/benchmarks/model_step.json; the rest of the comparison
+    mkdir -p "$OUT/large"
+    timeout 570 python3 benchmarks/model_step.py --out "$OUT/large" --shapes qwen3_5-35b-a3b-8l --seq-lens 32768 \
+      --limit-s 60 --first-step-limit-s 240 --reps 2 --variants "cp_models + act. ckpt" transformers \
+      "transformers + grad. ckpt" 2>&1 | tee "$OUT/large/log.txt" | grep -E "^\||built"
     ;;
 esac
