@@ -248,17 +248,31 @@ def _reference_log_probs(hidden, weight, labels):
     return logp.gather(1, labels.clamp_min(0)[:, None]).squeeze(1) * (labels >= 0)
 
 
-@pytest.mark.parametrize("chunk_size", [1, 3, 5, 16, 17, 4096])
-def test_token_log_probs_function(chunk_size):
-    gen = torch.Generator().manual_seed(chunk_size)
-    t, h, v = 16, 12, 40
+@pytest.mark.parametrize(
+    ("t", "v", "chunk_size", "vocab_chunk_size"),
+    [
+        (16, 40, 1, None),  # fewer tokens than vocabulary: the outer loop runs over vocabulary tiles
+        (16, 40, 3, 7),
+        (16, 40, 5, 40),
+        (16, 40, 16, 1),
+        (16, 40, 17, 4096),
+        (16, 40, None, None),
+        (50, 12, 7, 5),  # more tokens than vocabulary: the outer loop runs over token chunks
+        (50, 12, 50, 12),
+        (50, 12, 1, 3),
+    ],
+)
+def test_token_log_probs_function(t, v, chunk_size, vocab_chunk_size):
+    gen = torch.Generator().manual_seed(t * v + (chunk_size or 0))
+    h = 12
     hidden = torch.randn(t, h, generator=gen, requires_grad=True)
     weight = torch.randn(v, h, generator=gen, requires_grad=True)
     labels = torch.randint(0, v, (t,), generator=gen)
     labels[[0, 5, 6, 15]] = -100
+    labels[1], labels[2] = 0, v - 1  # the first and last vocabulary entries (tile edges)
     upstream = torch.randn(t, generator=gen)
 
-    got = token_log_probs(hidden, weight, labels, chunk_size)
+    got = token_log_probs(hidden, weight, labels, chunk_size, vocab_chunk_size)
     assert got.dtype == torch.float32 and (got[labels < 0] == 0).all()
     g_hidden, g_weight = torch.autograd.grad((got * upstream).sum(), [hidden, weight])
     ref = _reference_log_probs(hidden, weight, labels)
@@ -297,11 +311,17 @@ def test_token_log_probs_bf16_is_as_accurate_as_plain_cross_entropy():
         assert ours_err <= 1.5 * plain_err + 1e-6, (name, ours_err, plain_err)
 
 
-def test_token_log_probs_function_rejects_bad_shapes():
+def test_token_log_probs_function_rejects_bad_input():
     with pytest.raises(ContextParallelError, match="labels"):
         token_log_probs(torch.randn(4, 3), torch.randn(5, 3), torch.zeros(3, dtype=torch.long))
     with pytest.raises(ContextParallelError):
         token_log_probs(torch.randn(1, 4, 3), torch.randn(5, 3), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ContextParallelError, match="width 3 != the LM head's 2"):
+        token_log_probs(torch.randn(4, 3), torch.randn(5, 2), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ContextParallelError, match="label 5 is outside the vocabulary of 5"):
+        token_log_probs(torch.randn(4, 3), torch.randn(5, 3), torch.tensor([0, 5, -100, 1]))
+    with pytest.raises(ContextParallelError, match="vocab_chunk_size must be a positive"):
+        token_log_probs(torch.randn(4, 3), torch.randn(5, 3), torch.zeros(4, dtype=torch.long), 2, 0)
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])

@@ -145,79 +145,178 @@ class GatedRMSNorm(nn.Module):
 # Loss without [S, vocab] logits
 
 
-def _accumulate_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``acc + a @ b`` with ``acc`` fp32: one GEMM with an fp32 output on CUDA (bf16 inputs), else exact in place."""
-    if a.dtype == acc.dtype:
-        return acc.addmm_(a, b)
-    if a.is_cuda:
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` as fp32: on CUDA one GEMM with an fp32 output for bf16/fp16 inputs (no rounded half-precision
+    product), elsewhere the product in the inputs' dtype, upcast."""
+    if a.dtype != torch.float32 and a.is_cuda:
         try:
-            return torch.addmm(acc, a, b, out_dtype=acc.dtype)
-        except (TypeError, RuntimeError):  # torch without mixed-dtype addmm
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (TypeError, RuntimeError):  # torch without mixed-dtype mm
             pass
-    return acc.add_(a @ b)
+    return (a @ b).float()
 
 
-class _ChunkedTokenLogProbs(torch.autograd.Function):
-    """log p(label | hidden) per token, computing logits one chunk of tokens at a time, forward and backward.
+def _label_columns(labels: torch.Tensor, vocab: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's label as a column of the vocabulary tile ``vocab`` (clamped into it) and whether it falls there."""
+    local = labels - vocab.start
+    hit = (local >= 0) & (local < vocab.stop - vocab.start)
+    return local.clamp(0, vocab.stop - vocab.start - 1)[:, None], hit
 
-    Backward never scales a [chunk, vocab] tensor by the upstream gradient: with ``g`` the per-token gradient,
-    ``d logits = -g (softmax - onehot)``, so ``g`` goes onto the small [chunk, hidden] sides of the two matmuls.
-    Softmax and the one-hot subtraction stay fp32; the matmuls take the weight's dtype (bf16 on GPU, as a plain
-    cross-entropy over bf16 logits would) and the weight gradient accumulates over chunks in fp32.
+
+class _TiledTokenLogProbs(torch.autograd.Function):
+    """log p(label | hidden) per token over [token chunk, vocabulary chunk] tiles, forward and backward.
+
+    Forward keeps one fp32 tile at a time and a running log-sum-exp per token, and saves that log-sum-exp ([T]
+    fp32), so backward rebuilds each tile's probabilities as ``exp(logits - lse)`` without a second pass over the
+    vocabulary. With ``g`` the per-token upstream gradient, ``d logits = -g (softmax - onehot)``: ``g`` goes onto
+    the small [chunk, hidden] sides of the two matmuls, never onto a tile. The gradient of the side the outer loop
+    runs over accumulates per chunk in fp32; the other side's fp32 accumulator is full size, so the outer loop runs
+    over the vocabulary when the shard has fewer tokens than the vocabulary (accumulator [T, hidden]) and over the
+    tokens otherwise ([vocab, hidden]). Tiles are fp32 (on CUDA straight out of the GEMM); the matmuls of backward
+    take the weight's dtype, as a plain cross-entropy over bf16 logits would.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size):
-        out = hidden.new_zeros(hidden.size(0), dtype=torch.float32)
-        safe = labels.clamp_min(0)
-        for start in range(0, hidden.size(0), chunk_size):
-            part = slice(start, start + chunk_size)
-            log_probs = torch.log_softmax(hidden[part] @ weight.t(), -1, dtype=torch.float32)
-            out[part] = log_probs.gather(1, safe[part, None]).squeeze(1)
-        ctx.chunk_size = chunk_size
-        ctx.save_for_backward(hidden, weight, safe)
-        return out
+    def forward(ctx, hidden, weight, labels, token_chunk, vocab_chunk):
+        num_tokens, vocab = hidden.size(0), weight.size(0)
+        lse = hidden.new_full((num_tokens,), float("-inf"), dtype=torch.float32)
+        target = hidden.new_zeros(num_tokens, dtype=torch.float32)
+        for t, v in ((t, v) for t in _chunks(num_tokens, token_chunk) for v in _chunks(vocab, vocab_chunk)):
+            logits = _mm_f32(hidden[t], weight[v].t())
+            column, hit = _label_columns(labels[t], v)
+            target[t] = torch.where(hit, logits.gather(1, column).squeeze(1), target[t])
+            row_max = logits.amax(-1)
+            tile_lse = logits.sub_(row_max[:, None]).exp_().sum(-1).log_().add_(row_max)
+            lse[t] = torch.logaddexp(lse[t], tile_lse)
+            del logits
+        ctx.tiles = (token_chunk, vocab_chunk)
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        return target - lse
 
     @staticmethod
     def backward(ctx, grad_out):
-        hidden, weight, safe = ctx.saved_tensors
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+        hidden, weight, labels, lse = ctx.saved_tensors
+        (num_tokens, width), vocab = hidden.shape, weight.size(0)
+        token_chunk, vocab_chunk = ctx.tiles
+        token_outer = num_tokens > vocab
         neg_grad = -grad_out.float()[:, None]
-        for start in range(0, hidden.size(0), ctx.chunk_size):
-            part = slice(start, start + ctx.chunk_size)
-            probs = torch.softmax(hidden[part] @ weight.t(), -1, dtype=torch.float32)
-            probs.scatter_add_(1, safe[part, None], probs.new_full((probs.size(0), 1), -1.0))  # softmax - onehot
-            probs = probs.to(weight.dtype)
-            grad_hidden[part] = ((probs @ weight).float() * neg_grad[part]).to(hidden.dtype)
-            scaled_hidden = (hidden[part].float() * neg_grad[part]).to(weight.dtype)
-            grad_weight = _accumulate_matmul(grad_weight, probs.t(), scaled_hidden)
-        return grad_hidden, grad_weight.to(weight.dtype), None, None
+        grad_hidden, grad_weight = torch.empty_like(hidden), torch.empty_like(weight)
+        full = hidden.new_zeros((vocab if token_outer else num_tokens, width), dtype=torch.float32)
+        outer = _chunks(num_tokens, token_chunk) if token_outer else _chunks(vocab, vocab_chunk)
+        inner = _chunks(vocab, vocab_chunk) if token_outer else _chunks(num_tokens, token_chunk)
+        for o in outer:
+            partial = hidden.new_zeros((o.stop - o.start, width), dtype=torch.float32)
+            for i in inner:
+                t, v = (o, i) if token_outer else (i, o)
+                probs = _mm_f32(hidden[t], weight[v].t()).sub_(lse[t, None]).exp_()
+                column, hit = _label_columns(labels[t], v)
+                probs.scatter_add_(1, column, -hit.to(probs.dtype)[:, None])  # softmax - onehot
+                probs = probs.to(weight.dtype)
+                scaled_hidden = (hidden[t].float() * neg_grad[t]).to(weight.dtype)
+                (partial if token_outer else full[t]).add_(_mm_f32(probs, weight[v]))
+                (full[v] if token_outer else partial).add_(_mm_f32(probs.t(), scaled_hidden))
+                del probs
+            if token_outer:
+                grad_hidden[o] = (partial * neg_grad[o]).to(hidden.dtype)
+            else:
+                grad_weight[o] = partial.to(weight.dtype)
+        if token_outer:
+            grad_weight.copy_(full)
+        else:
+            grad_hidden.copy_(full.mul_(neg_grad))
+        return grad_hidden, grad_weight, None, None, None
 
 
-LOSS_CHUNK_ELEMENTS = 1 << 28
-"""Default chunk of the chunked loss: this many logits (1 GiB in fp32) per chunk of tokens."""
+def _chunks(total: int, size: int) -> list[slice]:
+    return [slice(start, min(start + size, total)) for start in range(0, total, size)]
 
 
-def default_loss_chunk_size(vocab_size: int) -> int:
-    return max(1, LOSS_CHUNK_ELEMENTS // vocab_size)
+LOSS_TILE = (4096, 8192)
+"""Default tile of the loss: [tokens, vocabulary entries] (128 MiB of fp32 logits)."""
+
+
+def loss_tile_shape(
+    num_tokens: int, vocab_size: int, token_chunk: int | None = None, vocab_chunk: int | None = None
+) -> tuple[int, int]:
+    """The tile the loss runs: the given or default sizes, clipped to the shard and the vocabulary."""
+    return (
+        max(1, min(token_chunk or LOSS_TILE[0], num_tokens)),
+        max(1, min(vocab_chunk or LOSS_TILE[1], vocab_size)),
+    )
 
 
 def token_log_probs(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int | None = None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int | None = None,
+    vocab_chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Per-token ``log softmax(hidden @ weight.T)[label]`` in fp32 ([T]); never builds [T, vocab] logits.
 
-    Labels < 0 (ignored tokens) give 0 and no gradient; combine with a loss mask by multiplication.
-    ``chunk_size`` tokens per chunk (default: :func:`default_loss_chunk_size` of the vocabulary, as the models use).
+    Labels < 0 (ignored tokens) give 0 and no gradient; combine with a loss mask by multiplication. The logits are
+    computed in tiles of ``chunk_size`` tokens x ``vocab_chunk_size`` vocabulary entries (default
+    :data:`LOSS_TILE`), so the workspace is one tile plus an fp32 gradient accumulator of ``min(T, vocab)`` rows.
     """
-    chunk_size = chunk_size or default_loss_chunk_size(weight.size(0))
-    if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
+    if hidden.dim() != 2 or weight.dim() != 2 or labels.shape != hidden.shape[:1]:
         raise ContextParallelError(
-            f"hidden must be [T, H] and labels [T]; got {tuple(hidden.shape)} and {tuple(labels.shape)}"
+            f"hidden must be [T, H], weight [vocab, H] and labels [T]; got {tuple(hidden.shape)}, "
+            f"{tuple(weight.shape)} and {tuple(labels.shape)}"
         )
+    if hidden.size(1) != weight.size(1):
+        raise ContextParallelError(f"hidden width {hidden.size(1)} != the LM head's {weight.size(1)}")
+    for name, size in (("chunk_size", chunk_size), ("vocab_chunk_size", vocab_chunk_size)):
+        if size is not None and (not isinstance(size, int) or size < 1):
+            raise ContextParallelError(f"{name} must be a positive number of rows, got {size!r}")
+    if labels.numel() and int(labels.max()) >= weight.size(0):
+        raise ContextParallelError(f"label {int(labels.max())} is outside the vocabulary of {weight.size(0)}")
+    tile = loss_tile_shape(hidden.size(0), weight.size(0), chunk_size, vocab_chunk_size)
     valid = labels >= 0
-    return _ChunkedTokenLogProbs.apply(hidden, weight, labels, chunk_size) * valid
+    return _TiledTokenLogProbs.apply(hidden, weight, labels.clamp_min(0), *tile) * valid
+
+
+# ----------------------------------------------------------------------------------------------------------
+# MoE: combine the top-k expert outputs of each token
+
+
+class _WeightedSlotSum(torch.autograd.Function):
+    """``out[t] = sum_j weights[t, j] * slots[t, j]`` in the promoted dtype of the two, returned in ``out_dtype``.
+
+    Saves only ``slots`` (in their own dtype) and ``weights``: autograd on ``(slots * weights).sum`` or on an
+    ``index_add_`` of weighted outputs keeps a weighted copy too (index_add_ saves its source), and on bf16 slots
+    with fp32 weights an fp32 copy of the slots. Deterministic (no atomics), unlike ``index_add_`` on CUDA.
+    """
+
+    @staticmethod
+    def forward(ctx, slots, weights, out_dtype):
+        compute = torch.promote_types(slots.dtype, weights.dtype)
+        ctx.save_for_backward(slots, weights)
+        return torch.bmm(weights.to(compute)[:, None, :], slots.to(compute)).squeeze(1).to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        slots, weights = ctx.saved_tensors
+        compute = torch.promote_types(slots.dtype, weights.dtype)
+        grad = grad_out.to(compute)
+        grad_slots = torch.bmm(weights.to(compute)[:, :, None], grad[:, None, :]).to(slots.dtype)
+        grad_weights = torch.bmm(slots.to(compute), grad[:, :, None]).squeeze(-1).to(weights.dtype)
+        return grad_slots, grad_weights, None
+
+
+def combine_expert_outputs(
+    sorted_outputs: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """Each token's routing-weighted sum of its top-k expert outputs ([T, D] in ``out_dtype``).
+
+    ``sorted_outputs`` [T * k, D] are the expert outputs in expert-sorted slot order, ``order`` the permutation that
+    sorted the flat [T * k] slots (``experts.reshape(-1).argsort()``), ``weights`` [T, k] the routing weights.
+    The sum is accumulated in the promoted dtype of outputs and weights (fp32 weights: fp32, as transformers'
+    Nemotron-H does). Keeps one [T * k, D] tensor for backward (the outputs back in token order).
+    """
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    slots = sorted_outputs[inverse].view(*weights.shape, -1)
+    return _WeightedSlotSum.apply(slots, weights, out_dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -324,8 +423,9 @@ def causal_lm_output(
     return_logits: bool | None,
     loss_chunk_size: int | None,
 ) -> CausalLMOutput:
-    """The output of a causal LM's forward: per-token log-probs when ``labels`` are given (chunks of about 1 GiB of
-    fp32 logits unless ``loss_chunk_size``), logits when asked for (by default only without labels)."""
+    """The output of a causal LM's forward: per-token log-probs when ``labels`` are given (tiles of
+    :data:`LOSS_TILE` logits; ``loss_chunk_size`` tokens per tile if given), logits when asked for (by default only
+    without labels)."""
     out = CausalLMOutput(hidden_states=hidden)
     if labels is not None:
         labels = labels[0] if labels.dim() == 2 else labels

@@ -52,6 +52,7 @@ from cp_models.common import (
     causal_lm_output,
     check_checkpoint_keys,
     check_position_ids,
+    combine_expert_outputs,
     embed_row,
     read_safetensors,
     strip_prefixes,
@@ -376,8 +377,8 @@ class NemotronHExperts(nn.Module):
         token = order // experts.size(1)
         offsets = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
         h = self.act_fn(F.grouped_mm(x[token], self.up_proj.transpose(1, 2), offs=offsets))
-        h = F.grouped_mm(h, self.down_proj.transpose(1, 2), offs=offsets) * weights.reshape(-1)[order, None]
-        return torch.zeros_like(x, dtype=weights.dtype).index_add_(0, token, h.to(weights.dtype)).to(x.dtype)
+        h = F.grouped_mm(h, self.down_proj.transpose(1, 2), offs=offsets)
+        return combine_expert_outputs(h, order, weights, x.dtype)
 
     def _looped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x, dtype=weights.dtype)

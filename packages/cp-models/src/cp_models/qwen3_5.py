@@ -39,6 +39,7 @@ from cp_models.common import (
     causal_lm_output,
     check_checkpoint_keys,
     check_position_ids,
+    combine_expert_outputs,
     embed_row,
     read_safetensors,
     strip_prefixes,
@@ -259,8 +260,7 @@ class Qwen35Experts(nn.Module):
         h = F.grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs=offsets)
         gate, up = h.chunk(2, dim=-1)
         h = F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
-        h = h * weights.reshape(-1)[order, None]
-        return torch.zeros_like(x).index_add_(0, token, h.to(x.dtype))
+        return combine_expert_outputs(h, order, weights, x.dtype)
 
     def _looped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
