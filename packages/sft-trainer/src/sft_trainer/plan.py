@@ -12,7 +12,7 @@ From the validated :class:`~sft_trainer.config.TrainConfig` and nothing bigger t
 
 The byte counts are exact closed forms of what cp_core's collectives send (tests compare them with
 ``cp_core.testing.CommCounter``). The memory model is a per-layer-type count of the tensors the fast CUDA path
-(fla kernels, varlen attention, grouped-GEMM MoE, the chunked loss) keeps for backward; every coefficient lives in
+(fla kernels, varlen attention, grouped-GEMM MoE, the tiled loss) keeps for backward; every coefficient lives in
 :data:`ACTIVATION_COEFFICIENTS` and the few tables below it, so they can be calibrated against measurements.
 """
 
@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from cp_models.common import default_loss_chunk_size
+from cp_models.common import loss_tile_shape
 
 # ----------------------------------------------------------------------------------------------------------
 # Memory coefficients (calibrate these)
@@ -102,16 +102,16 @@ ACTIVATION_COEFFICIENTS: dict[str, dict[str, dict[str, float]]] = {
     # SwiGLU MLP: its input (hidden 1); gate_proj and up_proj outputs, silu(gate), the product (intermediate 4).
     "qwen3_5.mlp": {"saved": {"hidden": 1, "intermediate": 4}, "transient": {"intermediate": 2}},
     # Sparse MoE, grouped GEMM: hidden 2: the input (router, shared expert, its gate) and the shared expert's
-    # output (kept by the gate multiply); experts_f32 1: the router softmax; topk_dim 3: tokens gathered per
-    # expert slot, the expert outputs before weighting (kept by the weight multiply) and the weighted outputs
-    # (kept by index_add_); topk_moe_inter 4: [gate | up] (2), silu(gate), the product; topk_f32 2: top-k weights
+    # output (kept by the gate multiply); experts_f32 1: the router softmax; topk_dim 2: tokens gathered per
+    # expert slot and the expert outputs back in token order (kept by the weighted combine,
+    # cp_models.common.combine_expert_outputs); topk_moe_inter 4: [gate | up] (2), silu(gate), the product; topk_f32 2: top-k weights
     # and their sum; topk_i64 2: gather/scatter indices; shared_inter 4: as the MLP; rows 2: the shared-expert
     # gate logit and sigmoid. Checked against the bytes autograd saves (tests/test_trainer_plan.py, CPU).
     "qwen3_5.moe": {
         "saved": {
             "hidden": 2,
             "experts_f32": 1,
-            "topk_dim": 3,
+            "topk_dim": 2,
             "topk_moe_inter": 4,
             "topk_f32": 2,
             "topk_i64": 2,
@@ -120,9 +120,9 @@ ACTIVATION_COEFFICIENTS: dict[str, dict[str, dict[str, float]]] = {
         },
         "transient": {"topk_moe_inter": 2, "topk_dim": 1, "hidden": 1},
     },
-    # Once per model: the final norm's input and output (the output is what the chunked loss keeps), its rstd,
-    # and the rotary cos/sin [T, rotary_dim] every attention layer shares.
-    "qwen3_5.model": {"saved": {"hidden": 2, "rows_f32": 1, "rotary": 2}, "transient": {}},
+    # Once per model: the final norm's input and output (the output is what the tiled loss keeps), its rstd, the
+    # loss's log-sum-exp per token, and the rotary cos/sin [T, rotary_dim] every attention layer shares.
+    "qwen3_5.model": {"saved": {"hidden": 2, "rows_f32": 2, "rotary": 2}, "transient": {}},
     # Nemotron-H block x + mixer(RMSNorm(x)): its RMSNorm is torch (fp32 inside), which keeps the fp32 copy of x
     # (for pow and the multiply) and the fp32 normalized x (for the weight multiply), and the rsqrt per row.
     "nemotron_h.block": {"saved": {"hidden_f32": 2, "rows_f32": 1}, "transient": {"hidden": 2}},
@@ -172,17 +172,16 @@ ACTIVATION_COEFFICIENTS: dict[str, dict[str, dict[str, float]]] = {
     "nemotron_h.mlp": {"saved": {"hidden": 1, "intermediate": 2}, "transient": {"intermediate": 2}},
     # MoE, grouped GEMM: hidden 1: the input (shared expert / latent projection); hidden_f32 1: its fp32 copy
     # (the fp32 router linear); experts_f32 1: sigmoid scores; topk_dim 2: tokens per expert slot and the expert
-    # outputs; topk_dim_f32 1: the fp32 weighted outputs (kept by index_add_); topk_moe_inter 2: relu output and
+    # outputs back in token order (kept in bf16 by the fp32 weighted combine); topk_moe_inter 2: relu output and
     # its square; topk_f32 3: gathered, renormalized and re-ordered weights; topk_i64 2: indices; shared_inter 2:
     # as the MLP; latent 1: fc2_latent_proj's input (0 without). Checked against autograd's saved bytes (CPU).
-    # Transient: the fp32 product of expert outputs and weights before the scatter-add, the inner gradients.
+    # Transient: the fp32 copy of the expert outputs inside the weighted combine, the inner gradients.
     "nemotron_h.moe": {
         "saved": {
             "hidden": 1,
             "hidden_f32": 1,
             "experts_f32": 1,
             "topk_dim": 2,
-            "topk_dim_f32": 1,
             "topk_moe_inter": 2,
             "topk_f32": 3,
             "topk_i64": 2,
@@ -191,20 +190,23 @@ ACTIVATION_COEFFICIENTS: dict[str, dict[str, dict[str, float]]] = {
         },
         "transient": {"topk_dim_f32": 1, "topk_moe_inter": 2, "hidden": 1},
     },
-    # Once per model: norm_f (torch, fp32 inside) keeps two fp32 copies and the rsqrt; its output is kept by the loss.
-    "nemotron_h.model": {"saved": {"hidden_f32": 2, "hidden": 1, "rows_f32": 1}, "transient": {}},
+    # Once per model: norm_f (torch, fp32 inside) keeps two fp32 copies and the rsqrt; its output is kept by the loss,
+    # with the loss's log-sum-exp per token.
+    "nemotron_h.model": {"saved": {"hidden_f32": 2, "hidden": 1, "rows_f32": 2}, "transient": {}},
 }
 
-# The chunked cross-entropy (cp_models.common.causal_lm_output): chunks of max(1, 2**28 // vocab) tokens (about
-# 1 GiB of fp32 logits). At its backward's peak: the fp32 [vocab, hidden] weight-gradient accumulator and, per
-# chunk, the previous chunk's probabilities in the activation dtype (still referenced while the next chunk is
-# computed), the logits in the activation dtype, their fp32 cast inside softmax(dtype=float32) and the fp32
-# softmax. Calibrated on an H200 (docs/benchmarks/model_step.json: a fixed 4.1 GiB above weights, gradients and
-# saved activations for Qwen3.5-0.8B at 8k and 32k, with and without checkpointing; this model says 3.95 GiB).
+# The tiled cross-entropy (cp_models.common.token_log_probs): tiles of [tokens, vocabulary] logits (LOSS_TILE,
+# clipped to the shard and the vocabulary), the outer loop over the vocabulary while the shard has fewer tokens than
+# the vocabulary, else over the tokens. At its backward's peak: one fp32 tile and its copy in the activation dtype,
+# the full-size fp32 gradient accumulator (min(T, vocab) rows of hidden), the outer chunk's fp32 accumulator and one
+# GEMM's fp32 output (max(tile rows, tile columns) rows of hidden), and the two gradients it returns ([T, hidden] and
+# [vocab, hidden] in the activation dtype).
 LOSS_COEFFICIENTS = {
-    "weight_grad_f32": 1.0,  # x vocab x hidden x 4 bytes
-    "chunk_f32": 2.0,  # x chunk x vocab x 4 bytes (the fp32 cast of the logits and the softmax)
-    "chunk_act": 2.0,  # x chunk x vocab x activation bytes (this chunk's logits, the previous chunk's probabilities)
+    "tile_f32": 1.0,  # x tile tokens x tile vocabulary x 4 bytes
+    "tile_act": 1.0,  # x tile tokens x tile vocabulary x activation bytes
+    "accumulator_f32": 1.0,  # x min(T, vocab) x hidden x 4 bytes
+    "chunk_rows_f32": 2.0,  # x max(tile tokens, tile vocabulary) x hidden x 4 bytes
+    "gradients_act": 1.0,  # x (T + vocab) x hidden x activation bytes
 }
 
 # FSDP2 (sft_trainer.parallelize.apply_fsdp): the root unit (embeddings, final norm, LM head) stays gathered in
@@ -498,8 +500,22 @@ def count_parameters(
 # Activations
 
 
-def layer_widths(text_config, cp: int, mamba_cp_style: str = "state_passing") -> dict[str, float]:
-    """Element counts per local token that :data:`ACTIVATION_COEFFICIENTS` multiplies (see its comment)."""
+def _passes_state_through(cp: int, rank: int | None) -> bool:
+    """Whether the recurrent state passes through this rank (one document spanning the row): a middle rank; the
+    busiest rank (``rank`` None) is one whenever cp > 2."""
+    return cp > 2 if rank is None else 0 < rank < cp - 1
+
+
+def _runs_prepass(cp: int, rank: int | None) -> bool:
+    """Whether this rank runs GDN's pre-pass (its last document continues on the next rank): all but the last."""
+    return cp > 1 and (rank is None or rank < cp - 1)
+
+
+def layer_widths(
+    text_config, cp: int, mamba_cp_style: str = "state_passing", rank: int | None = None
+) -> dict[str, float]:
+    """Element counts per local token that :data:`ACTIVATION_COEFFICIENTS` multiplies (see its comment), for CP
+    rank ``rank`` of one document spanning the row (None: the busiest rank)."""
     c = text_config
     w: dict[str, float] = {"hidden": c.hidden_size, "rows": 1}
     family = _family(c)
@@ -525,7 +541,7 @@ def layer_widths(text_config, cp: int, mamba_cp_style: str = "state_passing") ->
             gdn_kheads=hk,
             gdn_chunk_a=hv * FLA_CHUNK,
             gdn_chunk_state=hv * k * v / FLA_CHUNK,
-            gdn_through_v=hv * k if cp > 2 else 0,
+            gdn_through_v=hv * k if _passes_state_through(cp, rank) else 0,
         )
         rope = dict(getattr(c, "rope_parameters", None) or {})
         w["rotary"] = int(_head_dim(c) * rope.get("partial_rotary_factor", 1.0))
@@ -580,10 +596,10 @@ def _term_bytes(terms: Mapping[str, float], widths: Mapping[str, float], elem: i
     return total
 
 
-def _parts(family: str, kind: str, cp: int, mamba_cp_style: str) -> list[str]:
-    """The coefficient entries one layer part is made of at this cp."""
+def _parts(family: str, kind: str, cp: int, mamba_cp_style: str, rank: int | None = None) -> list[str]:
+    """The coefficient entries one layer part is made of at this cp (and rank; None: the busiest)."""
     parts = [f"{family}.{kind}"]
-    if family == "qwen3_5" and kind == "gdn" and cp > 1:
+    if family == "qwen3_5" and kind == "gdn" and _runs_prepass(cp, rank):
         parts.append("qwen3_5.gdn_prepass")
     if family == "nemotron_h" and kind == "mamba" and cp > 1 and mamba_cp_style == "state_passing":
         parts.append("nemotron_h.mamba_correction")
@@ -591,15 +607,17 @@ def _parts(family: str, kind: str, cp: int, mamba_cp_style: str) -> list[str]:
 
 
 def activation_bytes_per_token(
-    text_config, cp: int, elem: int = 2, mamba_cp_style: str = "state_passing"
+    text_config, cp: int, elem: int = 2, mamba_cp_style: str = "state_passing", rank: int | None = None
 ) -> dict[str, dict[str, float]]:
     """Bytes per local token, per layer part kind: ``{"gdn": {"saved": ..., "transient": ...}, ...}``, plus
-    ``"block"`` (the norms around each layer) and ``"model"`` (once per model)."""
-    family, widths = _family(text_config), layer_widths(text_config, cp, mamba_cp_style)
+    ``"block"`` (the norms around each layer) and ``"model"`` (once per model). ``rank``: a CP rank of one
+    document spanning the row (the first runs GDN's pre-pass, the middle ones pass the state through, the last does
+    neither); None is the busiest rank."""
+    family, widths = _family(text_config), layer_widths(text_config, cp, mamba_cp_style, rank)
     kinds = {k for pair in layer_kinds(text_config) for k in pair if k} | {"block", "model"}
     out = {}
     for kind in sorted(kinds):
-        parts = _parts(family, kind, cp, mamba_cp_style)
+        parts = _parts(family, kind, cp, mamba_cp_style, rank)
         out[kind] = {
             phase: sum(_term_bytes(ACTIVATION_COEFFICIENTS[p].get(phase, {}), widths, elem) for p in parts)
             for phase in ("saved", "transient")
@@ -607,17 +625,18 @@ def activation_bytes_per_token(
     return out
 
 
-def loss_chunk_tokens(vocab_size: int, local_tokens: int) -> int:
-    """Tokens per chunk of the chunked cross-entropy (cp_models.common.causal_lm_output), at most the shard."""
-    return min(default_loss_chunk_size(vocab_size), local_tokens)
-
-
-def loss_workspace_bytes(vocab_size: int, hidden_size: int, chunk_tokens: int, elem_bytes: int) -> float:
-    """The chunked loss's backward peak (see ``LOSS_COEFFICIENTS``) for chunks of ``chunk_tokens`` tokens."""
+def loss_workspace_bytes(
+    vocab_size: int, hidden_size: int, local_tokens: int, elem_bytes: int, tile: tuple[int, int] | None = None
+) -> float:
+    """The tiled loss's backward peak (see ``LOSS_COEFFICIENTS``) over a shard of ``local_tokens`` tokens, with the
+    models' tile (``cp_models.common.LOSS_TILE``) unless ``tile`` = (tokens, vocabulary entries)."""
+    tile_tokens, tile_vocab = loss_tile_shape(local_tokens, vocab_size, *(tile or (None, None)))
+    c = LOSS_COEFFICIENTS
     return (
-        LOSS_COEFFICIENTS["weight_grad_f32"] * vocab_size * hidden_size * 4
-        + LOSS_COEFFICIENTS["chunk_f32"] * chunk_tokens * vocab_size * 4
-        + LOSS_COEFFICIENTS["chunk_act"] * chunk_tokens * vocab_size * elem_bytes
+        tile_tokens * tile_vocab * (c["tile_f32"] * 4 + c["tile_act"] * elem_bytes)
+        + c["accumulator_f32"] * min(local_tokens, vocab_size) * hidden_size * 4
+        + c["chunk_rows_f32"] * max(tile_tokens, tile_vocab) * hidden_size * 4
+        + c["gradients_act"] * (local_tokens + vocab_size) * hidden_size * elem_bytes
     )
 
 
@@ -640,7 +659,7 @@ class MemoryEstimate:
     activations: int
     """Saved for backward: every layer's set, or with checkpointing every layer's input only."""
     loss_workspace: int
-    """The chunked loss's backward: fp32 weight-gradient accumulator and one chunk of fp32 softmax + its copy."""
+    """The tiled loss's backward: one tile of logits, its fp32 gradient accumulators and the two gradients."""
     layer_transient: int
     """The largest single layer's backward temporaries (with checkpointing: plus its recomputed saved set)."""
     headroom: int
@@ -685,6 +704,7 @@ def estimate_memory(
     lora_targets: Sequence[str] | None = None,
     lora_rank: int = 8,
     vision_parameters: int = 0,
+    rank: int | None = None,
 ) -> MemoryEstimate:
     """Memory per rank for one row of ``seq_len`` tokens over ``cp`` ranks (``T = seq_len / cp`` local tokens).
 
@@ -693,7 +713,8 @@ def estimate_memory(
     ``parallel.fsdp``); otherwise a full replica in ``dtype``. ``optimizer=False, fsdp_world=1`` is one
     forward + backward of a ``dtype`` model: weights and gradients in ``dtype``, no optimizer (the benchmark
     setting). ``lora``: only adapters (``lora_targets``, default the trainer's, rank ``lora_rank``) get gradients
-    and optimizer state; activations are counted as for full fine-tuning (an upper bound).
+    and optimizer state; activations are counted as for full fine-tuning (an upper bound). ``rank``: the estimate
+    of that CP rank rather than the busiest (see :func:`activation_bytes_per_token`).
     """
     if seq_len % cp:
         raise ValueError(f"seq_len={seq_len} is not divisible by cp={cp}")
@@ -721,7 +742,9 @@ def estimate_memory(
         opt = 2 * trainable * elem if optimizer else 0
 
     t = seq_len // cp
-    per_token = activation_bytes_per_token(text_config, cp, elem, mamba_cp_style)
+    if rank is not None and not 0 <= rank < cp:
+        raise ValueError(f"rank={rank} is not a rank of cp={cp}")
+    per_token = activation_bytes_per_token(text_config, cp, elem, mamba_cp_style, rank)
     blocks = []  # (saved, transient) per decoder block, bytes per local token
     for mixer, ffn in layer_kinds(text_config):
         common, mix = per_token["block"], per_token[mixer]
@@ -741,7 +764,7 @@ def estimate_memory(
         activations = t * (sum(s for s, _ in blocks) + model_saved)
         layer = t * max(tr for _, tr in blocks)
     vocab, hidden = text_config.vocab_size, text_config.hidden_size
-    loss = loss_workspace_bytes(vocab, hidden, loss_chunk_tokens(vocab, t), elem)
+    loss = loss_workspace_bytes(vocab, hidden, t, elem)
     total = parameters + gradients + opt + activations + max(loss, layer)
     headroom = HEADROOM["fixed_gib"] * GIB + HEADROOM["fraction"] * total
     return MemoryEstimate(
