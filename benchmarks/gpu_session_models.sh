@@ -9,6 +9,8 @@
 #   bash benchmarks/gpu_session_models.sh scale-memory  # per-rank peaks at cp 2..8 (128k, 256k) vs the ideal
 #   bash benchmarks/gpu_session_models.sh large     # model steps of 2B and 35B-A3B 8l vs transformers
 #   bash benchmarks/gpu_session_models.sh moe-vs-hf # 35B-A3B 8l at 32k: the variants not yet recorded (transformers)
+#   bash benchmarks/gpu_session_models.sh tiled     # tiled loss + MoE combine: GPU tests, parts alone, 0.8B steps
+#   POINTS="262144:2 262144:4" bash benchmarks/gpu_session_models.sh scale-time  # peaks and compute time per cp
 # Logs and tables land under $OUT. Compilation and autotuning of fla's kernels cost minutes per fresh machine (the
 # first step of a new process: ~175 s for a Qwen3.5 model; a lone Mamba layer did not finish in 150 s), so every part
 # leaves the Triton cache (compiled kernels and fla's autotuning results) in $OUT/triton-cache.tgz; copy it to
@@ -68,6 +70,21 @@ case "${1:-tests}" in
     timeout "${SCALE_S:-380}" python3 benchmarks/simulated_scale.py --out "$OUT/scale" --shape qwen3_5-0.8b \
       --limit-s 150 --memory-only --warmup-tokens 4096 --baseline docs/benchmarks/simulated_scale_qwen3_5-0.8b.json \
       --points 262144:2 262144:4 131072:8 262144:8 2>&1 | tee "$OUT/scale/log.txt" | grep -E "^\||^\{"
+    ;;
+  tiled)  # the tiled loss and the weighted MoE combine: their GPU tests, the parts alone, 0.8B steps at 8k / 32k
+    versions | tee "$OUT/device.txt"
+    mkdir -p "$OUT/step"
+    timeout 150 python3 -m pytest -q -s -p no:cacheprovider packages/cp-models/tests/test_models_qwen35_gpu.py \
+      packages/cp-models/tests/test_models_nemotron_h_gpu.py -k "loss or moe" 2>&1 | tee "$OUT/tiled_tests.log" | grep -E "loss|moe|passed|failed|Error"
+    timeout 120 python3 benchmarks/loss_moe_memory.py --out "$OUT" 2>&1 | tail -9
+    timeout 300 python3 benchmarks/model_step.py --out "$OUT/step" --shapes qwen3_5-0.8b --seq-lens 8192 32768 \
+      --limit-s 60 --first-step-limit-s 240 --reps 2 --variants cp_models "cp_models + act. ckpt" 2>&1 | tee "$OUT/step/log.txt" | grep -E "^\||built"
+    ;;
+  scale-time)  # per-rank peak and compute time at cp 1..8 (bytes from the planner's closed forms); POINTS to override
+    mkdir -p "$OUT/scale"
+    timeout "${SCALE_S:-560}" python3 benchmarks/simulated_scale.py --out "$OUT/scale" --shape qwen3_5-0.8b \
+      --limit-s 150 --planned-bytes --warmup-tokens 4096 --points ${POINTS:-131072:1 131072:2 131072:4 131072:8} \
+      2>&1 | tee "$OUT/scale/log.txt" | grep -E "^\||^\{"
     ;;
   large)
     mkdir -p "$OUT/large"

@@ -5,8 +5,8 @@ saved activations (pure torch: no fla needed).
     uv run python benchmarks/loss_moe_memory.py --device cpu --tokens 512 --out /tmp/x   # CPU smoke run (no peaks)
 
 loss: ``cp_models.common.token_log_probs`` forward + backward on [T, hidden] bf16 states and the bf16 LM head of a
-shape; peak = max allocated during the step minus what was allocated before it (states, weight, its gradient),
-against ``sft_trainer.plan``'s loss workspace (``LOSS_COEFFICIENTS``).
+shape (the fastest of two steps after a first); peak = max allocated during the step minus what was allocated
+before it (states, weight, its gradient), against ``sft_trainer.plan``'s loss workspace (``LOSS_COEFFICIENTS``).
 moe: one MoE block on the grouped-GEMM path (what the model runs on CUDA bf16); allocated after forward minus before
 (the activations kept for backward plus the block's output), against the planner's per-token "saved" bytes for
 the block plus its output.
@@ -38,30 +38,31 @@ def _allocated(device: str) -> int:
     return torch.cuda.memory_allocated() if device.startswith("cuda") else 0
 
 
-def loss_row(shape: str, tokens: int, device: str, chunk: int | None = None) -> dict:
-    from cp_models.common import default_loss_chunk_size, token_log_probs
+def loss_row(shape: str, tokens: int, device: str, tile: tuple[int | None, int | None] = (None, None)) -> dict:
+    from cp_models.common import loss_tile_shape, token_log_probs
     from sft_trainer.plan import loss_workspace_bytes
 
     config = load_shape(shape)
-    chunk = min(chunk or default_loss_chunk_size(config.vocab_size), tokens)
+    tile = loss_tile_shape(tokens, config.vocab_size, *tile)
     weight = torch.randn(config.vocab_size, config.hidden_size, device=device, dtype=torch.bfloat16) * 0.02
     weight.requires_grad_(True)
     hidden = torch.randn(tokens, config.hidden_size, device=device, dtype=torch.bfloat16, requires_grad=True)
     labels = torch.randint(0, config.vocab_size, (tokens,), device=device)
-    for _ in range(2):  # the second step is measured (the weight's gradient exists, as in training)
+    times = []
+    for _ in range(3):  # the later steps are measured (the weight's gradient exists, as in training)
         hidden.grad = None
         _sync(device)
         base = _allocated(device)
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        (-token_log_probs(hidden, weight, labels, chunk).mean()).backward()
+        (-token_log_probs(hidden, weight, labels, *tile).mean()).backward()
         _sync(device)
-        ms = (time.perf_counter() - start) * 1000
+        times.append((time.perf_counter() - start) * 1000)
     peak = torch.cuda.max_memory_allocated() - base if device.startswith("cuda") else None
-    planned = loss_workspace_bytes(config.vocab_size, config.hidden_size, chunk, 2)
-    return dict(part=f"loss (chunk {chunk})", shape=shape, tokens=tokens, ms=ms, measured_gib=peak and peak / GIB,
-                planned_gib=planned / GIB, chunk=chunk)  # fmt: skip
+    planned = loss_workspace_bytes(config.vocab_size, config.hidden_size, tokens, 2, tile)
+    return dict(part=f"loss (tile {tile[0]} x {tile[1]})", shape=shape, tokens=tokens, ms=min(times[1:]),
+                measured_gib=peak and peak / GIB, planned_gib=planned / GIB, tile=list(tile))  # fmt: skip
 
 
 def moe_row(shape: str, tokens: int, device: str) -> dict:
@@ -95,15 +96,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--loss-chunk", type=int, default=None,
-                        help="tokens per loss chunk (default: what the models run, 2**28 // vocab)")  # fmt: skip
+    parser.add_argument("--loss-tile", type=int, nargs=2, default=(None, None), metavar=("TOKENS", "VOCAB"),
+                        help="the loss's tile (default: what the models run, cp_models.common.LOSS_TILE)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     args = parser.parse_args()
     rows = []
     jobs = [(loss_row, s) for s in ("qwen3_5-0.8b", "qwen3_5-2b", "nemotron_h-nano-8l")]
     jobs += [(moe_row, s) for s in ("qwen3_5-35b-a3b-8l", "nemotron_h-nano-8l")]
     for fn, shape in jobs:
-        extra = (args.loss_chunk,) if fn is loss_row else ()
+        extra = (tuple(args.loss_tile),) if fn is loss_row else ()
         rows.append(fn(shape, args.tokens, args.device, *extra))
         print(json.dumps(rows[-1]), flush=True)
         if args.device.startswith("cuda"):

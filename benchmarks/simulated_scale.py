@@ -9,7 +9,8 @@ data), then runs forward + backward of that rank's S / cp tokens of one document
 passes recurrent state and conv halo; attention is Ulysses, so each rank computes S x heads / cp). A short row per
 cp compiles and autotunes first (most of fla's tuning keys exclude the length; its norms' do not). Measured at each point: the bytes this rank
 sends, under ``cp_core.testing.CommCounter`` during a first step at the exact shape (checkpointing's recomputed
-forward collectives included; its wall time is kept as first_step_s), then compute time and peak allocated memory
+forward collectives included; its wall time is kept as first_step_s; ``--planned-bytes`` takes them from the
+planner's closed forms instead, which the tests hold equal to the counted bytes), then compute time and peak allocated memory
 of a second, uncounted step. Estimated: communication time = bytes / --nvlink-gbps (stated per-direction NVLink
 bandwidth, no overlap with compute, no latency), step = compute + communication. Ideal memory at cp = N: the cp = 1
 run's activation memory / N + the static memory (weights + gradients, measured before the step).
@@ -88,7 +89,7 @@ def run(args, on_row) -> list[dict]:
             # at a new length pays first-call costs (74 s at 128k on the H200, where 256k's second step took 35 s),
             # so --memory-only derives no rate from it.
             started = time.perf_counter()
-            first_step = plain if cp == 1 or args.memory_only else counted
+            first_step = plain if cp == 1 or args.memory_only or args.planned_bytes else counted
             first = timed_steps(first_step, ids, args.device, reps=1, warmup=0, limit_s=args.limit_s)
             model.zero_grad(set_to_none=True)
             result = first
@@ -100,10 +101,14 @@ def run(args, on_row) -> list[dict]:
             if args.memory_only:
                 row.update(memory_only=True, ms=None)
             elif result["status"] == "ok":
-                sent = counter.total_sent_bytes
+                if args.planned_bytes:  # the planner's closed forms, tested equal to CommCounter's counts
+                    sent, collectives = planned_bytes_sent(config, seq_len, cp, not args.no_ckpt), None
+                else:
+                    sent, collectives = counter.total_sent_bytes, len(counter.records)
                 row.update(
                     bytes_sent=sent,
-                    collectives=len(counter.records),
+                    bytes_from="sft_trainer.plan closed forms" if args.planned_bytes else "CommCounter",
+                    collectives=collectives,
                     comm_ms=sent / (args.nvlink_gbps * 1e9) * 1000,
                     timed_step="second step at the shape, uncounted",
                 )
@@ -113,6 +118,16 @@ def run(args, on_row) -> list[dict]:
         on_row(rows)
         free(args.device)
     return rows
+
+
+def planned_bytes_sent(config, seq_len: int, cp: int, recompute: bool) -> int:
+    """Bytes the busiest rank sends per step by ``sft_trainer.plan``'s closed forms (every layer kind, bf16): at
+    cp >= 4 what rank cp // 2 sends; at cp = 2 rank 1 is the last rank and sends a little less (no halo forward)."""
+    from sft_trainer import plan
+
+    per_token = plan.activation_bytes_per_token(config, cp)
+    rows = plan._layer_rows(config, seq_len, cp, "state_passing", 2, recompute, per_token)
+    return int(sum(r["bytes"] for r in rows))
 
 
 def _ideal(rows: list[dict], baseline: Path | None = None) -> None:
@@ -138,13 +153,19 @@ def _ideal(rows: list[dict], baseline: Path | None = None) -> None:
         r["ideal_base"] = "this run" if r["seq_len"] in base else f"{baseline.name} ({one['peak_gib']:.2f} GiB)"
 
 
+def _bytes_source(rows: list[dict]) -> str:
+    if any(r.get("bytes_from", "").startswith("sft_trainer") for r in rows):
+        return "the busiest rank sends (the planner's closed forms, which the tests hold equal to the counted bytes)"
+    return "this rank sends (counted)"
+
+
 def write_table(rows: list[dict], args, device_name: str) -> str:
     lines = [
         f"# Simulated CP scale: one rank's share on one {device_name} ({args.shape}, bf16, "
         f"{'no checkpointing' if args.no_ckpt else 'activation checkpointing'})",
         "",
         "A `fake` process group stands in for the other ranks (method in benchmarks/simulated_scale.py): compute and",
-        f"peak memory are measured; communication = bytes this rank sends (counted) / {args.nvlink_gbps:.0f} GB/s",
+        f"peak memory are measured; communication = bytes {_bytes_source(rows)} / {args.nvlink_gbps:.0f} GB/s",
         "NVLink, added without overlap. ideal = cp 1 activations / cp + weights and gradients.",
         "",
         f"Reproduce on the GPU machine (fla staged): `python benchmarks/simulated_scale.py {shlex.join(sys.argv[1:])}`",
@@ -200,6 +221,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     parser.add_argument("--memory-only", action="store_true",
                         help="one uncounted step per point: peak memory only (no bytes, no rate)")  # fmt: skip
+    parser.add_argument("--planned-bytes", action="store_true",
+                        help="bytes from the planner's closed forms instead of a counted first step (a counted step "
+                        "runs 2.9x slower, so this leaves time to time a second step at every point)")  # fmt: skip
     parser.add_argument("--baseline", type=Path, default=None,
                         help="an earlier run's json whose cp = 1 rows give the ideal where this run has none")  # fmt: skip
     args = parser.parse_args()
