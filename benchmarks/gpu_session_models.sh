@@ -11,6 +11,7 @@
 #   bash benchmarks/gpu_session_models.sh moe-vs-hf # 35B-A3B 8l at 32k: the variants not yet recorded (transformers)
 #   bash benchmarks/gpu_session_models.sh tiled     # tiled loss + MoE combine: GPU tests, parts alone, 0.8B steps
 #   POINTS="262144:2 262144:4" bash benchmarks/gpu_session_models.sh scale-time  # peaks and compute time per cp
+#   bash benchmarks/gpu_session_models.sh peaks     # allocation sites at the 256k / cp 4 peak; rank 0 at cp 2, 4
 # Logs and tables land under $OUT. Compilation and autotuning of fla's kernels cost minutes per fresh machine (the
 # first step of a new process: ~175 s for a Qwen3.5 model; a lone Mamba layer did not finish in 150 s), so every part
 # leaves the Triton cache (compiled kernels and fla's autotuning results) in $OUT/triton-cache.tgz; copy it to
@@ -85,6 +86,13 @@ case "${1:-tests}" in
     timeout "${SCALE_S:-560}" python3 benchmarks/simulated_scale.py --out "$OUT/scale" --shape qwen3_5-0.8b \
       --limit-s 150 --planned-bytes --warmup-tokens 4096 --points ${POINTS:-131072:1 131072:2 131072:4 131072:8} \
       2>&1 | tee "$OUT/scale/log.txt" | grep -E "^\||^\{"
+    ;;
+  peaks)  # where the 256k / cp 4 peak sits (blocks alive at the peak, by allocating site); cp 2's busiest rank (0)
+    mkdir -p "$OUT/peaks" "$OUT/first"
+    timeout 300 python3 benchmarks/simulated_scale.py --out "$OUT/peaks" --shape qwen3_5-0.8b --limit-s 150 \
+      --memory-only --warmup-tokens 4096 --snapshot 500000 --points 131072:2 262144:4 2>&1 | tee "$OUT/peaks/log.txt" | grep -E "^\|"
+    timeout 250 python3 benchmarks/simulated_scale.py --out "$OUT/first" --shape qwen3_5-0.8b --limit-s 150 \
+      --memory-only --warmup-tokens 4096 --rank first --points 262144:2 262144:4 2>&1 | tee "$OUT/first/log.txt" | grep -E "^\|"
     ;;
   large)
     mkdir -p "$OUT/large"

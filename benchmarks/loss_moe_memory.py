@@ -1,4 +1,4 @@
-"""Two parts of the planner's memory model measured alone on one GPU: the chunked loss's workspace and the MoE's
+"""Two parts of the planner's memory model measured alone on one GPU: the tiled loss's workspace and the MoE's
 saved activations (pure torch: no fla needed).
 
     python benchmarks/loss_moe_memory.py --out DIR          # CUDA

@@ -4,7 +4,7 @@
     uv run python benchmarks/simulated_scale.py --tiny --device cpu --points 512:1 512:2 1024:4 --out /tmp/x
 
 Each point S:cp builds nothing new: the model (bf16, activation checkpointing unless --no-ckpt) gets the topology of
-rank cp // 2 of a ``fake`` group of cp ranks (its collectives return at once with the right shapes and garbage
+rank cp // 2 (``--rank middle``; or the first or last) of a ``fake`` group of cp ranks (its collectives return at once with the right shapes and garbage
 data), then runs forward + backward of that rank's S / cp tokens of one document spanning the row (every rank
 passes recurrent state and conv halo; attention is Ulysses, so each rank computes S x heads / cp). A short row per
 cp compiles and autotunes first (most of fla's tuning keys exclude the length; its norms' do not). Measured at each point: the bytes this rank
@@ -34,12 +34,17 @@ from cp_core.testing import CommCounter, fake_process_group
 NVLINK_GBPS = 450.0  # H200 NVLink 4, per direction, GB/s (1e9 bytes)
 
 
+def simulated_rank(cp: int, which: str) -> int:
+    """The rank a point simulates: "first" (0: GDN pre-pass, no state through), "middle" (cp // 2: the state passes
+    through at cp >= 4; the last rank at cp 2) or "last" (cp - 1: no pre-pass), of one document spanning the row."""
+    return {"first": 0, "middle": cp // 2, "last": cp - 1}[which]
+
+
 @contextlib.contextmanager
-def _sharded(model, cp: int):
-    """The model as rank cp // 2 of a fake group of cp ranks for the block (cp = 1: unsharded)."""
+def _sharded(model, cp: int, rank: int):
+    """The model as ``rank`` of a fake group of cp ranks for the block (cp = 1: unsharded)."""
     from cp_models import set_context_parallel_attributes
 
-    rank = cp // 2
     with fake_process_group(rank, cp) as group:
         set_context_parallel_attributes(model, group, rank, cp)
         yield
@@ -55,13 +60,14 @@ def run(args, on_row) -> list[dict]:
     points = [tuple(int(x) for x in p.split(":")) for p in args.points]
     rows, warmed = [], set()
     for seq_len, cp in sorted(points, key=lambda p: (p[1], p[0])):
-        row = dict(shape=args.shape, variant=variant, seq_len=seq_len, cp=cp, local_tokens=seq_len // cp)
+        rank = simulated_rank(cp, args.rank)
+        row = dict(shape=args.shape, variant=variant, seq_len=seq_len, cp=cp, rank=rank, local_tokens=seq_len // cp)
         if seq_len % cp:
             rows.append({**row, "status": "S % cp != 0"})
             continue
         with contextlib.ExitStack() as stack:
             try:
-                stack.enter_context(_sharded(model, cp))
+                stack.enter_context(_sharded(model, cp, rank))
             except Exception as exc:  # the model's own CP validation (e.g. cp not dividing the attention heads)
                 rows.append({**row, "status": f"rejected: {exc}"})
                 on_row(rows)
@@ -90,7 +96,12 @@ def run(args, on_row) -> list[dict]:
             # so --memory-only derives no rate from it.
             started = time.perf_counter()
             first_step = plain if cp == 1 or args.memory_only or args.planned_bytes else counted
+            if args.snapshot:
+                torch.cuda.memory._record_memory_history(max_entries=args.snapshot)
             first = timed_steps(first_step, ids, args.device, reps=1, warmup=0, limit_s=args.limit_s)
+            if args.snapshot:
+                row["peak_breakdown"] = peak_breakdown(torch.cuda.memory._snapshot())
+                torch.cuda.memory._record_memory_history(enabled=None)
             model.zero_grad(set_to_none=True)
             result = first
             if first["status"] == "ok" and not args.memory_only:
@@ -118,6 +129,37 @@ def run(args, on_row) -> list[dict]:
         on_row(rows)
         free(args.device)
     return rows
+
+
+def peak_breakdown(snapshot: dict, top: int = 12) -> list[dict]:
+    """The blocks alive at the highest point of allocated memory in a ``torch.cuda.memory._snapshot()`` trace,
+    summed per allocating site (the innermost frame in this repository's packages, else the innermost Python frame),
+    largest first: [{"site", "gib", "blocks"}]."""
+    live: dict[int, tuple[int, str]] = {}
+    total = peak = 0
+    at_peak: dict[int, tuple[int, str]] = {}
+    for event in (e for trace in snapshot.get("device_traces", []) for e in trace):
+        if event["action"] == "alloc":
+            live[event["addr"]] = (event["size"], _site(event.get("frames", [])))
+            total += event["size"]
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])[0]
+    sites: dict[str, list[int]] = {}
+    for size, site in at_peak.values():
+        entry = sites.setdefault(site, [0, 0])
+        entry[0] += size
+        entry[1] += 1
+    ranked = sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"site": site, "gib": size / 2**30, "blocks": count} for site, (size, count) in ranked]
+
+
+def _site(frames: list[dict]) -> str:
+    python = [f for f in frames if f.get("filename", "").endswith(".py")]
+    ours = [f for f in python if "/packages/" in f["filename"] or "/benchmarks/" in f["filename"]]
+    frame = (ours or python or [{"filename": "?", "line": 0, "name": "?"}])[0]
+    return f"{frame['filename'].split('/')[-1]}:{frame['line']} {frame['name']}"
 
 
 def planned_bytes_sent(config, seq_len: int, cp: int, recompute: bool) -> int:
@@ -224,6 +266,11 @@ def main() -> None:
     parser.add_argument("--planned-bytes", action="store_true",
                         help="bytes from the planner's closed forms instead of a counted first step (a counted step "
                         "runs 2.9x slower, so this leaves time to time a second step at every point)")  # fmt: skip
+    parser.add_argument("--rank", choices=("first", "middle", "last"), default="middle",
+                        help="which rank of one document spanning the row: 0, cp // 2 or cp - 1")  # fmt: skip
+    parser.add_argument("--snapshot", type=int, default=0, metavar="ENTRIES",
+                        help="CUDA: record the first step's allocations (this many trace entries) and keep the "
+                        "blocks alive at its peak, by allocating site, in the row's peak_breakdown")  # fmt: skip
     parser.add_argument("--baseline", type=Path, default=None,
                         help="an earlier run's json whose cp = 1 rows give the ideal where this run has none")  # fmt: skip
     args = parser.parse_args()

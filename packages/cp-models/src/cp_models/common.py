@@ -1,4 +1,4 @@
-"""Pieces shared by the model files: CP wiring, norms, the chunked loss, HF checkpoint I/O."""
+"""Pieces shared by the model files: CP wiring, norms, the tiled loss, the MoE combine, HF checkpoint I/O."""
 
 from __future__ import annotations
 

@@ -86,7 +86,7 @@ LAYER_CP_STYLES: dict[str, dict[str, tuple[str, ...]]] = {
     },
 }
 FAMILY_CP_STYLES = {"qwen3_5": ("ulysses",), "nemotron_h": ("state_passing", "a2a")}
-# nn.Linear names that LoRA may target, per model family (not lm_head: the chunked loss reads its weight directly,
+# nn.Linear names that LoRA may target, per model family (not lm_head: the tiled loss reads its weight directly,
 # and it is often tied to the embeddings).
 LINEAR_NAMES: dict[str, tuple[str, ...]] = {
     "qwen3_5": (
