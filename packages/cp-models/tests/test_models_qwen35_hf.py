@@ -283,6 +283,28 @@ def test_token_log_probs_function(t, v, chunk_size, vocab_chunk_size):
         assert err < TOL, name
 
 
+@pytest.mark.parametrize(("t", "v"), [(16, 40), (50, 12)])
+def test_token_log_probs_with_one_input_frozen(t, v):
+    """A frozen LM head (LoRA) or frozen states: the other gradient equals the one computed with both trainable."""
+    gen = torch.Generator().manual_seed(t)
+    hidden = torch.randn(t, 8, generator=gen, dtype=torch.float64)
+    weight = torch.randn(v, 8, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, v, (t,), generator=gen)
+    labels[3] = -100
+    upstream = torch.randn(t, generator=gen, dtype=torch.float64)
+
+    def grads(hidden_grad: bool, weight_grad: bool):
+        h, w = hidden.clone().requires_grad_(hidden_grad), weight.clone().requires_grad_(weight_grad)
+        (token_log_probs(h, w, labels, 3, 7) * upstream).sum().backward()
+        return h.grad, w.grad
+
+    both = grads(True, True)
+    frozen_weight, frozen_hidden = grads(True, False), grads(False, True)
+    assert frozen_weight[1] is None and frozen_hidden[0] is None
+    torch.testing.assert_close(frozen_weight[0], both[0], rtol=0, atol=0)
+    torch.testing.assert_close(frozen_hidden[1], both[1], rtol=0, atol=0)
+
+
 def test_token_log_probs_bf16_is_as_accurate_as_plain_cross_entropy():
     """bf16 inputs (the GPU training dtype): the chunked loss and its gradients are no further from the fp64 truth
     than transformers' way (bf16 logits, fp32 log-softmax, autograd), within 1.5x of its error."""

@@ -342,12 +342,15 @@ def test_loss_and_moe_parts_are_within_five_percent_of_their_recorded_h200_peaks
             ("moe", "nemotron_h-nano-8l")} <= kinds  # fmt: skip
 
 
-@pytest.mark.parametrize(("tokens", "vocab"), [(2048, 3000), (6000, 2048), (9000, 20000), (20000, 9000)])
-def test_loss_workspace_equals_the_live_bytes_of_the_tiled_loss(tokens, vocab):
+@pytest.mark.parametrize(
+    ("tokens", "vocab", "weight_grad"),
+    [(2048, 3000, True), (6000, 2048, True), (9000, 20000, True), (20000, 9000, True), (9000, 20000, False)],
+)
+def test_loss_workspace_equals_the_live_bytes_of_the_tiled_loss(tokens, vocab, weight_grad):
     """The planner's loss workspace against the peak of live tensor bytes during one forward + backward of
     token_log_probs in bf16 on the CPU (torch's MemTracker, inputs left out), both loop orders (fewer tokens than
-    vocabulary and more) and tiles clipped by either size. The CPU bf16 path holds what the CUDA one does at its
-    peak: an fp32 tile and its bf16 copy."""
+    vocabulary and more), tiles clipped by either size, and a frozen LM head (LoRA). The CPU bf16 path holds what the
+    CUDA one does at its peak: an fp32 tile and its bf16 copy."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from cp_models import token_log_probs
@@ -355,15 +358,16 @@ def test_loss_workspace_equals_the_live_bytes_of_the_tiled_loss(tokens, vocab):
     hidden_size = 64
     gen = torch.Generator().manual_seed(tokens)
     hidden = torch.randn(tokens, hidden_size, generator=gen).to(torch.bfloat16).requires_grad_()
-    weight = torch.randn(vocab, hidden_size, generator=gen).to(torch.bfloat16).requires_grad_()
+    weight = torch.randn(vocab, hidden_size, generator=gen).to(torch.bfloat16).requires_grad_(weight_grad)
     labels = torch.randint(0, vocab, (tokens,), generator=gen)
     tracker = MemTracker()
     with tracker:
         token_log_probs(hidden, weight, labels).sum().backward()
     peak = sum(device["Total"] for device in tracker.get_tracker_snapshot("peak").values())
     inputs = (tokens + vocab) * hidden_size * 2 + tokens * 8
-    planned = plan.loss_workspace_bytes(vocab, hidden_size, tokens, 2)
+    planned = plan.loss_workspace_bytes(vocab, hidden_size, tokens, 2, weight_grad=weight_grad)
     assert planned == pytest.approx(peak - inputs, rel=0.05), (planned, peak - inputs)
+    assert (weight.grad is not None) == weight_grad and hidden.grad is not None
 
 
 def _bytes_saved_for_backward(module: torch.nn.Module, run) -> int:

@@ -198,10 +198,15 @@ class _TiledTokenLogProbs(torch.autograd.Function):
         hidden, weight, labels, lse = ctx.saved_tensors
         (num_tokens, width), vocab = hidden.shape, weight.size(0)
         token_chunk, vocab_chunk = ctx.tiles
-        token_outer = num_tokens > vocab
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        # Without a weight gradient (a frozen LM head, e.g. LoRA) the token-outer order needs no full accumulator.
+        token_outer = num_tokens > vocab or not need_weight
         neg_grad = -grad_out.float()[:, None]
-        grad_hidden, grad_weight = torch.empty_like(hidden), torch.empty_like(weight)
-        full = hidden.new_zeros((vocab if token_outer else num_tokens, width), dtype=torch.float32)
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.empty_like(weight) if need_weight else None
+        full = None
+        if need_weight if token_outer else need_hidden:
+            full = hidden.new_zeros((vocab if token_outer else num_tokens, width), dtype=torch.float32)
         outer = _chunks(num_tokens, token_chunk) if token_outer else _chunks(vocab, vocab_chunk)
         inner = _chunks(vocab, vocab_chunk) if token_outer else _chunks(num_tokens, token_chunk)
         for o in outer:
@@ -212,17 +217,19 @@ class _TiledTokenLogProbs(torch.autograd.Function):
                 column, hit = _label_columns(labels[t], v)
                 probs.scatter_add_(1, column, -hit.to(probs.dtype)[:, None])  # softmax - onehot
                 probs = probs.to(weight.dtype)
-                scaled_hidden = (hidden[t].float() * neg_grad[t]).to(weight.dtype)
-                (partial if token_outer else full[t]).add_(_mm_f32(probs, weight[v]))
-                (full[v] if token_outer else partial).add_(_mm_f32(probs.t(), scaled_hidden))
+                if need_hidden:
+                    (partial if token_outer else full[t]).add_(_mm_f32(probs, weight[v]))
+                if need_weight:
+                    scaled_hidden = (hidden[t].float() * neg_grad[t]).to(weight.dtype)
+                    (full[v] if token_outer else partial).add_(_mm_f32(probs.t(), scaled_hidden))
                 del probs
-            if token_outer:
+            if token_outer and need_hidden:
                 grad_hidden[o] = (partial * neg_grad[o]).to(hidden.dtype)
-            else:
+            elif not token_outer and need_weight:
                 grad_weight[o] = partial.to(weight.dtype)
-        if token_outer:
+        if token_outer and need_weight:
             grad_weight.copy_(full)
-        else:
+        elif not token_outer and need_hidden:
             grad_hidden.copy_(full.mul_(neg_grad))
         return grad_hidden, grad_weight, None, None, None
 

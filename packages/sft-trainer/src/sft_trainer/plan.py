@@ -626,17 +626,31 @@ def activation_bytes_per_token(
 
 
 def loss_workspace_bytes(
-    vocab_size: int, hidden_size: int, local_tokens: int, elem_bytes: int, tile: tuple[int, int] | None = None
+    vocab_size: int,
+    hidden_size: int,
+    local_tokens: int,
+    elem_bytes: int,
+    tile: tuple[int, int] | None = None,
+    weight_grad: bool = True,
 ) -> float:
     """The tiled loss's backward peak (see ``LOSS_COEFFICIENTS``) over a shard of ``local_tokens`` tokens, with the
-    models' tile (``cp_models.common.LOSS_TILE``) unless ``tile`` = (tokens, vocabulary entries)."""
+    models' tile (``cp_models.common.LOSS_TILE``) unless ``tile`` = (tokens, vocabulary entries). Without a weight
+    gradient (a frozen LM head) the loss runs token-outer with no full-size accumulator."""
     tile_tokens, tile_vocab = loss_tile_shape(local_tokens, vocab_size, *(tile or (None, None)))
     c = LOSS_COEFFICIENTS
+    if weight_grad:
+        accumulator_rows, chunk_rows, gradient_rows = (
+            min(local_tokens, vocab_size),
+            max(tile_tokens, tile_vocab),
+            local_tokens + vocab_size,
+        )
+    else:
+        accumulator_rows, chunk_rows, gradient_rows = 0, tile_tokens, local_tokens
     return (
         tile_tokens * tile_vocab * (c["tile_f32"] * 4 + c["tile_act"] * elem_bytes)
-        + c["accumulator_f32"] * min(local_tokens, vocab_size) * hidden_size * 4
-        + c["chunk_rows_f32"] * max(tile_tokens, tile_vocab) * hidden_size * 4
-        + c["gradients_act"] * (local_tokens + vocab_size) * hidden_size * elem_bytes
+        + c["accumulator_f32"] * accumulator_rows * hidden_size * 4
+        + c["chunk_rows_f32"] * chunk_rows * hidden_size * 4
+        + c["gradients_act"] * gradient_rows * hidden_size * elem_bytes
     )
 
 
@@ -764,7 +778,7 @@ def estimate_memory(
         activations = t * (sum(s for s, _ in blocks) + model_saved)
         layer = t * max(tr for _, tr in blocks)
     vocab, hidden = text_config.vocab_size, text_config.hidden_size
-    loss = loss_workspace_bytes(vocab, hidden, t, elem)
+    loss = loss_workspace_bytes(vocab, hidden, t, elem, weight_grad=not lora)  # LoRA: the LM head is frozen
     total = parameters + gradients + opt + activations + max(loss, layer)
     headroom = HEADROOM["fixed_gib"] * GIB + HEADROOM["fraction"] * total
     return MemoryEstimate(
