@@ -161,15 +161,15 @@ def test_cp_matches_unsharded(workers, weights, row_name, vision_cp, dtype, chec
 
 def test_shard_and_replicate_agree(workers, weights):
     """The two vision modes give the same outputs and summed gradients, to fp32 rounding: the tower runs its images
-    in different batches, and the gradients are summed in a different order (measured: logits 1e-7, gradients
-    2e-6)."""
+    in different batches, and the gradients are summed in a different order (measured: logits 1e-7 on one CPU and
+    1.8e-6 on an AMD EPYC, whose BLAS blocks the batched matmuls differently; gradients 2e-6)."""
     row = {k: v for k, v in pad_row(build_row(ROWS["many_images"], seed=4), 4).items() if k != "docs"}
     runs = {
         mode: workers.run(run_rank, {"moe": True}, weights[True], row, mode, False, 2)
         for mode in ("shard", "replicate")
     }
     for rank, (a, b) in enumerate(zip(runs["shard"], runs["replicate"], strict=True)):
-        assert rel(a["logits"], b["logits"]) <= 1e-6, rank
+        assert rel(a["logits"], b["logits"]) <= 1e-5, rank
         for name, grad in a["grads"].items():  # the text model sees the same shard in both modes
             if "visual" not in name:
                 assert rel(grad, b["grads"][name]) <= 1e-5, (rank, name)
