@@ -261,9 +261,10 @@ def _benchmark_shapes(names) -> dict:
     return {name: module.load_shape(name) for name in names}
 
 
-def _chunked_loss_workspace_bytes(vocab, hidden, local_tokens, elem, tile=None) -> float:
+def _chunked_loss_workspace_bytes(vocab, hidden, local_tokens, elem, tile=None, weight_grad=True) -> float:
     """The loss workspace of the code before TILED_LOSS_RUN: chunks of 2**28 // vocab tokens over the whole
-    vocabulary, an fp32 [vocab, hidden] weight-gradient accumulator, two fp32 and two bf16 chunks of logits."""
+    vocabulary, an fp32 [vocab, hidden] weight-gradient accumulator (always, as that code did), two fp32 and two bf16
+    chunks of logits."""
     chunk = min(max(1, (1 << 28) // vocab), local_tokens)
     return vocab * hidden * 4 + 2 * chunk * vocab * 4 + 2 * chunk * vocab * elem
 
