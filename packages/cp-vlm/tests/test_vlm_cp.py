@@ -162,7 +162,8 @@ def test_cp_matches_unsharded(workers, weights, row_name, vision_cp, dtype, chec
 def test_shard_and_replicate_agree(workers, weights):
     """The two vision modes give the same outputs and summed gradients, to fp32 rounding: the tower runs its images
     in different batches, and the gradients are summed in a different order (measured: logits 1e-7 on one CPU and
-    1.8e-6 on an AMD EPYC, whose BLAS blocks the batched matmuls differently; gradients 2e-6)."""
+    1.8e-6 on an AMD EPYC, whose BLAS blocks the batched matmuls differently; gradients 2e-6, and up to 1.1e-5 for
+    the vision gradients summed over 4 ranks there)."""
     row = {k: v for k, v in pad_row(build_row(ROWS["many_images"], seed=4), 4).items() if k != "docs"}
     runs = {
         mode: workers.run(run_rank, {"moe": True}, weights[True], row, mode, False, 2)
@@ -176,7 +177,7 @@ def test_shard_and_replicate_agree(workers, weights):
     # A rank's vision gradient is of its own images (shard) or of its own image tokens (replicate); the sums agree.
     for name in runs["shard"][0]["grads"]:
         total = {mode: torch.stack([r["grads"][name] for r in results]).sum(0) for mode, results in runs.items()}
-        assert rel(total["shard"], total["replicate"]) <= 1e-5, name
+        assert rel(total["shard"], total["replicate"]) <= 5e-5, name
 
 
 def _indivisible_row(topology: CPTopology, state) -> None:
