@@ -105,8 +105,8 @@ ACTIVATION_COEFFICIENTS: dict[str, dict[str, dict[str, float]]] = {
     # output (kept by the gate multiply); experts_f32 1: the router softmax; topk_dim 2: tokens gathered per
     # expert slot and the expert outputs back in token order (kept by the weighted combine,
     # cp_models.common.combine_expert_outputs); topk_moe_inter 4: [gate | up] (2), silu(gate), the product;
-    # topk_f32 2: top-k weights and their sum; topk_i64 2: gather/scatter indices; shared_inter 4: as the MLP; rows 2: the shared-expert
-    # gate logit and sigmoid. Checked against the bytes autograd saves (tests/test_trainer_plan.py, CPU).
+    # topk_f32 2: top-k weights and their sum; topk_i64 2: gather/scatter indices; shared_inter 4: as the MLP;
+    # rows 2: the shared-expert gate logit and sigmoid. Checked against the bytes autograd saves (tests/test_trainer_plan.py, CPU).
     "qwen3_5.moe": {
         "saved": {
             "hidden": 2,
