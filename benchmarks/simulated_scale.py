@@ -4,14 +4,14 @@
     uv run python benchmarks/simulated_scale.py --tiny --device cpu --points 512:1 512:2 1024:4 --out /tmp/x
 
 Each point S:cp builds nothing new: the model (bf16, activation checkpointing unless --no-ckpt) gets the topology of
-rank cp // 2 (``--rank middle``; or the first or last) of a ``fake`` group of cp ranks (its collectives return at once with the right shapes and garbage
-data), then runs forward + backward of that rank's S / cp tokens of one document spanning the row (every rank
+rank cp // 2 (``--rank middle``; or the first or last) of a ``fake`` group of cp ranks (its collectives return at
+once with the right shapes and garbage data), then runs forward + backward of that rank's S / cp tokens of one document spanning the row (every rank
 passes recurrent state and conv halo; attention is Ulysses, so each rank computes S x heads / cp). A short row per
 cp compiles and autotunes first (most of fla's tuning keys exclude the length; its norms' do not). Measured at each point: the bytes this rank
 sends, under ``cp_core.testing.CommCounter`` during a first step at the exact shape (checkpointing's recomputed
 forward collectives included; its wall time is kept as first_step_s; ``--planned-bytes`` takes them from the
-planner's closed forms instead, which the tests hold equal to the counted bytes), then compute time and peak allocated memory
-of a second, uncounted step. Estimated: communication time = bytes / --nvlink-gbps (stated per-direction NVLink
+planner's closed forms instead, which the tests hold equal to the counted bytes), then compute time and peak
+allocated memory of a second, uncounted step. Estimated: communication time = bytes / --nvlink-gbps (stated per-direction NVLink
 bandwidth, no overlap with compute, no latency), step = compute + communication. Ideal memory at cp = N: the cp = 1
 run's activation memory / N + the static memory (weights + gradients, measured before the step).
 """
@@ -135,19 +135,25 @@ def peak_breakdown(snapshot: dict, top: int = 12) -> list[dict]:
     """The blocks alive at the highest point of allocated memory in a ``torch.cuda.memory._snapshot()`` trace,
     summed per allocating site (the innermost frame in this repository's packages, else the innermost Python frame),
     largest first: [{"site", "gib", "blocks"}]."""
-    live: dict[int, tuple[int, str]] = {}
-    total = peak = 0
-    at_peak: dict[int, tuple[int, str]] = {}
-    for event in (e for trace in snapshot.get("device_traces", []) for e in trace):
-        if event["action"] == "alloc":
-            live[event["addr"]] = (event["size"], _site(event.get("frames", [])))
-            total += event["size"]
-            if total > peak:
-                peak, at_peak = total, dict(live)
-        elif event["action"] == "free_completed" and event["addr"] in live:
-            total -= live.pop(event["addr"])[0]
+    events = [e for trace in snapshot.get("device_traces", []) for e in trace]
+
+    def replay(stop: int) -> tuple[dict[int, dict], int]:
+        """The blocks alive after ``events[:stop]`` and the index just past the highest total on the way."""
+        live: dict[int, dict] = {}
+        total = peak = peak_end = 0
+        for i, event in enumerate(events[:stop]):
+            if event["action"] == "alloc":
+                live[event["addr"]] = event
+                total += event["size"]
+                if total > peak:
+                    peak, peak_end = total, i + 1
+            elif event["action"] == "free_completed" and event["addr"] in live:
+                total -= live.pop(event["addr"])["size"]
+        return live, peak_end
+
+    at_peak, _ = replay(replay(len(events))[1])  # the second pass stops at the peak (no copy per new maximum)
     sites: dict[str, list[int]] = {}
-    for size, site in at_peak.values():
+    for size, site in ((e["size"], _site(e.get("frames", []))) for e in at_peak.values()):
         entry = sites.setdefault(site, [0, 0])
         entry[0] += size
         entry[1] += 1

@@ -204,9 +204,8 @@ class _TiledTokenLogProbs(torch.autograd.Function):
         neg_grad = -grad_out.float()[:, None]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.empty_like(weight) if need_weight else None
-        full = None
-        if need_weight if token_outer else need_hidden:
-            full = hidden.new_zeros((vocab if token_outer else num_tokens, width), dtype=torch.float32)
+        full_rows = (vocab if need_weight else 0) if token_outer else (num_tokens if need_hidden else 0)
+        full = hidden.new_zeros((full_rows, width), dtype=torch.float32) if full_rows else None
         outer = _chunks(num_tokens, token_chunk) if token_outer else _chunks(vocab, vocab_chunk)
         inner = _chunks(vocab, vocab_chunk) if token_outer else _chunks(num_tokens, token_chunk)
         for o in outer:
