@@ -52,3 +52,37 @@ def test_fast_backend_matches_reference(backend, layout, heads, dim, window):
     for name, a, b in zip(("out", "dq", "dk", "dv"), fast, ref, strict=True):
         assert torch.isfinite(a).all(), name
         assert _rel(a, b) < 1e-2, (name, _rel(a, b))
+
+
+@pytest.mark.parametrize("backend", ["varlen", "flash_attn"])
+@pytest.mark.parametrize("window", [None, 257])
+def test_fast_backend_aligns_shorter_queries_at_the_bottom_right(backend, window):
+    """All-gather-KV CP's call: each document's queries are the last of its keys (a rank's piece of a document
+    that began on an earlier rank). The kernels must align the causal diagonal at the bottom right, as the
+    reference does; top-left alignment would differ by far more than the tolerance."""
+    if backend == "varlen" and not varlen_attn_available():
+        pytest.skip("torch has no varlen_attn")
+    if backend == "flash_attn" and not flash_attn_available():
+        pytest.skip("flash-attn not installed")
+    torch.manual_seed(0)
+    k_lens, q_lens = [3000, 1000, 96, 4096], [1000, 1000, 1, 512]
+    q = torch.randn(sum(q_lens), 8, 256, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(sum(k_lens), 2, 256, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(sum(k_lens), 2, 256, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(sum(q_lens), 8, 256, device="cuda")
+    cu_q, cu_k = cu_seqlens_from_lens(q_lens), cu_seqlens_from_lens(k_lens)
+
+    def run(backend_, q_, k_, v_):
+        q_, k_, v_ = (t.detach().clone().requires_grad_() for t in (q_, k_, v_))
+        out = varlen_causal_attention(
+            q_, k_, v_, cu_q, max(q_lens), sliding_window=window, backend=backend_, cu_seqlens_k=cu_k,
+            max_seqlen_k=max(k_lens),
+        )  # fmt: skip
+        out.backward(grad.to(out.dtype))
+        return out, q_.grad, k_.grad, v_.grad
+
+    fast = run(backend, q, k, v)
+    ref = run("torch", q.float(), k.float(), v.float())
+    for name, a, b in zip(("out", "dq", "dk", "dv"), fast, ref, strict=True):
+        assert torch.isfinite(a).all(), name
+        assert _rel(a, b) < 1e-2, (name, _rel(a, b))

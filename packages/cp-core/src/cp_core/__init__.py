@@ -7,7 +7,8 @@ The pieces, in the order one packed row meets them:
 - :func:`shard_sequence` / :func:`gather_sequence`: contiguous sharding and its autograd inverse
   (also for [B, S] position ids and [3, B, S] MRoPE positions).
 - :func:`ulysses_attention`: all-to-all sequence parallelism around varlen causal attention
-  (:func:`varlen_causal_attention`, with torch, torch-varlen and flash-attn backends).
+  (:func:`varlen_causal_attention`, with torch, torch-varlen and flash-attn backends); :func:`kv_gather_attention`
+  for any cp (all-gathered keys and values), :func:`context_parallel_attention` picking either.
 - Recurrent layers: :func:`causal_conv1d_cp` (halo exchange with document resets), :func:`ssd_cp` (Mamba-2) and
   :func:`gated_delta_rule_cp` (Gated DeltaNet), exact by passing states down the ranks (:func:`pass_states`);
   torch paths everywhere, flash-linear-attention kernels on CUDA when installed.
@@ -26,6 +27,14 @@ from cp_core.gated_delta import (
 )
 from cp_core.head_parallel import check_head_parallel, fused_sequence_to_heads, local_groups, local_heads
 from cp_core.kernels import RecurrentBackend, resolve_recurrent_backend
+from cp_core.kv_gather import (
+    ATTENTION_CP_STYLES,
+    AttentionCPStyle,
+    context_parallel_attention,
+    gather_kv,
+    kv_gather_attention,
+    resolve_attention_cp_style,
+)
 from cp_core.packing import (
     PackedRowMetadata,
     build_packed_metadata,
@@ -56,7 +65,9 @@ from cp_core.ulysses import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "ATTENTION_CP_STYLES",
     "AttentionBackend",
+    "AttentionCPStyle",
     "CPTopology",
     "ContextParallelError",
     "PackedRowMetadata",
@@ -69,14 +80,17 @@ __all__ = [
     "check_ulysses_heads",
     "chunk_gated_delta_rule_torch",
     "chunk_ssd_torch",
+    "context_parallel_attention",
     "cu_seqlens_from_lens",
     "exchange_halo",
     "fused_sequence_to_heads",
     "gated_delta_rule",
     "gated_delta_rule_cp",
+    "gather_kv",
     "gather_sequence",
     "gather_variable",
     "heads_to_sequence",
+    "kv_gather_attention",
     "local_groups",
     "local_heads",
     "naive_causal_conv1d",
@@ -88,6 +102,7 @@ __all__ = [
     "qkv_sequence_to_heads",
     "replicate_kv_heads",
     "resolve_attention_backend",
+    "resolve_attention_cp_style",
     "resolve_recurrent_backend",
     "sequence_to_heads",
     "shard_mrope_positions",

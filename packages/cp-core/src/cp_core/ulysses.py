@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from cp_core.attention import AttentionBackend, varlen_causal_attention
+from cp_core.attention import AttentionBackend, check_attention_shard, varlen_causal_attention
 from cp_core.errors import ContextParallelError
 from cp_core.packing import PackedRowMetadata
 from cp_core.topology import CPTopology
@@ -136,20 +136,7 @@ def ulysses_attention(
     q [S/cp, Hq, D], k and v [S/cp, Hkv, D] (this rank's tokens); returns [S/cp, Hq, Dv]. Without CP this is
     plain varlen attention over ``metadata``'s documents.
     """
-    if metadata.cp_size != topology.size or metadata.cp_rank != topology.rank:
-        raise ContextParallelError(
-            f"metadata was built for rank {metadata.cp_rank} of cp={metadata.cp_size}, but the topology is "
-            f"rank {topology.rank} of cp={topology.size}"
-        )
-    if q.dim() != 3 or q.size(0) != metadata.local_len:
-        raise ContextParallelError(
-            f"q must be [local tokens={metadata.local_len}, heads, head_dim] for this shard, got {tuple(q.shape)}"
-        )
-    if k.dim() != 3 or v.dim() != 3 or k.size(0) != q.size(0) or v.size(0) != q.size(0) or k.size(1) != v.size(1):
-        raise ContextParallelError(
-            f"k and v must be [{q.size(0)} local tokens, kv_heads, head_dim] like q {tuple(q.shape)}; "
-            f"got k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
+    check_attention_shard(q, k, v, metadata, topology)
     check_ulysses_heads(q.size(1), k.size(1), topology.size)
     qh, kh, vh = qkv_sequence_to_heads(q, k, v, topology)
     out = varlen_causal_attention(

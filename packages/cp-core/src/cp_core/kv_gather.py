@@ -1,0 +1,144 @@
+"""All-gather-KV context parallelism for attention: any cp, whatever the head counts.
+
+Each rank keeps its own queries ``[S / cp, Hq, D]`` and gathers the keys and values of the whole row (one
+all-gather of ``[S / cp, 2 Hkv, D]`` forward, a reduce-scatter of their gradients backward). Each of the rank's
+documents then attends its local queries against the document's keys from its first token, wherever that lies,
+up to the rank's last token: varlen attention whose key ranges end where the query ranges end (bottom-right causal
+alignment, see :mod:`cp_core.attention`). Nothing else changes, so it is exact like Ulysses.
+
+Against Ulysses (:mod:`cp_core.ulysses`), which needs cp to divide the query heads:
+
+- any cp, e.g. cp = 16 .. 64 for a model with 8 query heads;
+- a rank sends its ``S / cp`` tokens' K and V to every other rank, ``2 Hkv D (cp - 1) S / cp`` elements forward
+  and as many gradients backward, where Ulysses sends ``(cp - 1) / cp`` of its tokens' q, k, v and output,
+  ``(2 Hq + 2 max(Hkv, cp)) D S / cp`` elements each way: fewer bytes while ``Hkv cp < Hq + max(Hkv, cp)``
+  (grouped-query models at small cp), more beyond;
+- the gathered keys of a rank's first document (up to the whole row on the last rank) stay alive for backward;
+- the work is uneven: with one document over the row, rank ``r`` computes ``(r + 1/2) (S / cp)^2`` scores, the
+  last rank ``2 - 1/cp`` times the mean (Ulysses splits the work evenly by heads).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from cp_core.attention import AttentionBackend, check_attention_shard, varlen_causal_attention
+from cp_core.errors import ContextParallelError
+from cp_core.packing import PackedRowMetadata
+from cp_core.sharding import gather_sequence
+from cp_core.topology import CPTopology
+from cp_core.ulysses import check_ulysses_heads, ulysses_attention
+
+
+def gather_kv(k: torch.Tensor, v: torch.Tensor, topology: CPTopology) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole row's keys and values from every rank's ``[S / cp, Hkv, D]`` shards (one collective when they
+    share head dim and dtype); backward sums every rank's gradient into each shard (a reduce-scatter)."""
+    if k.size(2) == v.size(2) and k.dtype == v.dtype:
+        both = gather_sequence(torch.cat([k, v], dim=1), topology, dim=0, backward="sum")
+        return both[:, : k.size(1)], both[:, k.size(1) :]
+    return (
+        gather_sequence(k, topology, dim=0, backward="sum"),
+        gather_sequence(v, topology, dim=0, backward="sum"),
+    )
+
+
+def key_range(metadata: PackedRowMetadata, sliding_window: int | None = None) -> tuple[int, int]:
+    """Global ``[start, end)`` of the keys this rank's queries read: from the first local document's first token
+    (or the window's reach into it) to the shard's end."""
+    before = metadata.first_doc_tokens_before
+    if sliding_window is not None:
+        before = min(before, sliding_window - 1)
+    return metadata.shard_start - before, metadata.shard_end
+
+
+def kv_gather_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    metadata: PackedRowMetadata,
+    topology: CPTopology,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    backend: AttentionBackend = "auto",
+) -> torch.Tensor:
+    """Causal varlen attention of this rank's queries against the gathered keys and values of the row.
+
+    q [S/cp, Hq, D], k and v [S/cp, Hkv, D] (this rank's tokens); returns [S/cp, Hq, Dv], exactly the rows an
+    unsharded run computes for these tokens. Without CP this is plain varlen attention over ``metadata``'s
+    documents.
+    """
+    check_attention_shard(q, k, v, metadata, topology)
+    if sliding_window is not None and sliding_window < 1:
+        raise ContextParallelError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    if not topology.enabled:
+        return varlen_causal_attention(
+            q, k, v, metadata.cu_seqlens, metadata.max_seqlen, scale=scale, sliding_window=sliding_window,
+            backend=backend,
+        )  # fmt: skip
+    full_k, full_v = gather_kv(k, v, topology)
+    start, end = key_range(metadata, sliding_window)
+    before = metadata.shard_start - start  # keys of the first local document that other ranks hold
+    cu_q = metadata.local_cu_seqlens
+    cu_k = cu_q + torch.cat([cu_q.new_zeros(1), cu_q.new_full((cu_q.numel() - 1,), before)])
+    return varlen_causal_attention(
+        q,
+        full_k[start:end],
+        full_v[start:end],
+        cu_q,
+        metadata.local_max_seqlen,
+        scale=scale,
+        sliding_window=sliding_window,
+        backend=backend,
+        cu_seqlens_k=cu_k,
+        max_seqlen_k=max(metadata.local_max_seqlen, metadata.local_seq_lens[0] + before),
+    )
+
+
+AttentionCPStyle = Literal["auto", "ulysses", "kv_gather"]
+ATTENTION_CP_STYLES: tuple[str, ...] = ("auto", "ulysses", "kv_gather")
+
+
+def resolve_attention_cp_style(style: str, num_q_heads: int, num_kv_heads: int, cp_size: int) -> str:
+    """The concrete strategy, ``"ulysses"`` or ``"kv_gather"``, for these heads over ``cp_size`` ranks.
+
+    ``"auto"`` takes Ulysses where its head rule holds (even work per rank) and all-gather KV otherwise; a forced
+    ``"ulysses"`` raises the head rule's error, naming the way out."""
+    if style not in ATTENTION_CP_STYLES:
+        raise ContextParallelError(f"unknown attention CP style {style!r}; choose one of {ATTENTION_CP_STYLES}")
+    if num_q_heads % num_kv_heads:
+        raise ContextParallelError(f"q_heads={num_q_heads} is not a multiple of kv_heads={num_kv_heads}")
+    if style == "kv_gather":
+        return style
+    try:
+        check_ulysses_heads(num_q_heads, num_kv_heads, cp_size)
+    except ContextParallelError as exc:
+        if style == "ulysses":
+            raise ContextParallelError(f"{exc} (or use attention CP style 'kv_gather', which takes any cp)") from None
+        return "kv_gather"
+    return "ulysses"
+
+
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    metadata: PackedRowMetadata,
+    topology: CPTopology,
+    style: str,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    backend: AttentionBackend = "auto",
+) -> torch.Tensor:
+    """This rank's attention output under ``style`` ("ulysses" or "kv_gather"; resolve "auto" first with
+    :func:`resolve_attention_cp_style`, once per model rather than per call)."""
+    if style == "ulysses":
+        attend = ulysses_attention
+    elif style == "kv_gather":
+        attend = kv_gather_attention
+    else:
+        raise ContextParallelError(f"attention CP style must be 'ulysses' or 'kv_gather' here, got {style!r}")
+    return attend(q, k, v, metadata, topology, scale=scale, sliding_window=sliding_window, backend=backend)

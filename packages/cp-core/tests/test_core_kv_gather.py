@@ -1,0 +1,259 @@
+"""All-gather-KV attention: varlen attention with separate key boundaries (bottom-right causal alignment) against
+dense attention, the strategy choice, and sharded vs unsharded parity on real gloo groups of 2 and 4 ranks, with
+head counts Ulysses cannot split."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+
+from cp_core import (
+    ContextParallelError,
+    CPTopology,
+    build_packed_metadata,
+    context_parallel_attention,
+    kv_gather_attention,
+    resolve_attention_cp_style,
+    ulysses_attention,
+    varlen_causal_attention,
+)
+from cp_core.attention import torch_varlen_attention
+from cp_core.kv_gather import key_range
+from cp_core.packing import PackedRowMetadata, cu_seqlens_from_lens
+from cp_core.testing import GlooWorkers, check_cp_parity, layout_cases, random_seq_lens
+
+TOTAL = 64
+HEAD_DIM = 8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # The gloo workers share the 2 cores with this process; OpenMP spinning in here would starve them.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def dense_suffix_attention(q, k, v, q_lens, k_lens, scale=None, sliding_window=None):
+    """float64 attention written out per document: query t of a document is key t + k_len - q_len."""
+    group = q.size(1) // k.size(1)
+    outputs, q_at, k_at = [], 0, 0
+    for q_len, k_len in zip(q_lens, k_lens, strict=True):
+        qd = q[q_at : q_at + q_len].double()
+        kd = k[k_at : k_at + k_len].double().repeat_interleave(group, dim=1)
+        vd = v[k_at : k_at + k_len].double().repeat_interleave(group, dim=1)
+        position = torch.arange(q_len)[:, None] + (k_len - q_len)
+        distance = position - torch.arange(k_len)[None, :]
+        mask = distance >= 0
+        if sliding_window is not None:
+            mask &= distance < sliding_window
+        scores = torch.einsum("ihd,jhd->hij", qd, kd) * (q.size(2) ** -0.5 if scale is None else scale)
+        outputs.append(torch.einsum("hij,jhd->ihd", scores.masked_fill(~mask, float("-inf")).softmax(-1), vd))
+        q_at, k_at = q_at + q_len, k_at + k_len
+    return torch.cat(outputs)
+
+
+@pytest.mark.parametrize(("q_heads", "kv_heads"), [(4, 4), (8, 2), (3, 1)])
+@pytest.mark.parametrize("sliding_window", [None, 1, 3, 1000])
+def test_separate_key_boundaries_match_dense(q_heads, kv_heads, sliding_window):
+    rng = random.Random(q_heads * 10 + kv_heads)
+    for trial in range(4):
+        k_lens = [1, 7, 3, 12] if trial == 0 else random_seq_lens(40, rng, max_docs=6)
+        # Each document's queries are a suffix of its keys: all of them, one, or anything between.
+        q_lens = [k_len if trial == 1 else rng.randint(1, k_len) for k_len in k_lens]
+        seed = 100 * trial + q_heads
+        q = randn(sum(q_lens), q_heads, HEAD_DIM, seed=seed).requires_grad_()
+        k = randn(sum(k_lens), kv_heads, HEAD_DIM, seed=seed + 1).requires_grad_()
+        v = randn(sum(k_lens), kv_heads, HEAD_DIM + 2, seed=seed + 2).requires_grad_()
+        out = varlen_causal_attention(
+            q,
+            k,
+            v,
+            cu_seqlens_from_lens(q_lens),
+            max(q_lens),
+            sliding_window=sliding_window,
+            backend="torch",
+            cu_seqlens_k=cu_seqlens_from_lens(k_lens),
+            max_seqlen_k=max(k_lens),
+        )
+        want = dense_suffix_attention(q, k, v, q_lens, k_lens, sliding_window=sliding_window)
+        grad_out = randn(*out.shape, seed=seed + 3)
+        got_grads = torch.autograd.grad(out, (q, k, v), grad_out)
+        want_grads = torch.autograd.grad(want, (q, k, v), grad_out.double())
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+        for got, expected in zip(got_grads, want_grads, strict=True):
+            torch.testing.assert_close(got.double(), expected.double(), rtol=1e-5, atol=1e-5)
+
+
+def test_separate_key_boundaries_bad_input():
+    q, k = torch.zeros(6, 2, HEAD_DIM), torch.zeros(9, 2, HEAD_DIM)
+    cu_q, cu_k = cu_seqlens_from_lens([2, 4]), cu_seqlens_from_lens([5, 4])
+    # Without separate key boundaries the token counts must agree, as before.
+    with pytest.raises(ContextParallelError, match="tokens must agree"):
+        varlen_causal_attention(q, k, k, cu_q, 4, backend="torch")
+    with pytest.raises(ContextParallelError, match="pass both or neither"):
+        varlen_causal_attention(q, k, k, cu_q, 4, backend="torch", cu_seqlens_k=cu_k)
+    with pytest.raises(ContextParallelError, match=r"cu_seqlens_k \(4,\) must have one entry per entry"):
+        varlen_causal_attention(
+            q, k, k, cu_q, 4, backend="torch", cu_seqlens_k=cu_seqlens_from_lens([3, 3, 3]), max_seqlen_k=3
+        )
+    with pytest.raises(ContextParallelError, match="a document has 4 queries but 3 keys"):
+        varlen_causal_attention(
+            q, k, k, cu_q, 4, backend="torch", cu_seqlens_k=cu_seqlens_from_lens([6, 3]), max_seqlen_k=6
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("style", "q_heads", "kv_heads", "cp", "want"),
+    [
+        ("auto", 8, 2, 1, "ulysses"),
+        ("auto", 8, 2, 8, "ulysses"),
+        ("auto", 8, 2, 16, "kv_gather"),  # more ranks than query heads
+        ("auto", 8, 2, 64, "kv_gather"),
+        ("auto", 6, 6, 4, "kv_gather"),  # cp does not divide the query heads
+        ("auto", 24, 6, 4, "kv_gather"),  # nor the KV heads, nor they it
+        ("kv_gather", 8, 2, 2, "kv_gather"),
+        ("kv_gather", 8, 2, 1, "kv_gather"),
+        ("ulysses", 16, 8, 4, "ulysses"),
+        ("ulysses", 8, 2, 16, r"cp=16, q_heads=8.*use attention CP style 'kv_gather', which takes any cp"),
+        ("ring", 8, 2, 2, r"unknown attention CP style 'ring'; choose one of \('auto', 'ulysses', 'kv_gather'\)"),
+        ("auto", 8, 3, 2, "q_heads=8 is not a multiple of kv_heads=3"),
+    ],
+)
+def test_resolve_attention_cp_style(style, q_heads, kv_heads, cp, want):
+    if want in ("ulysses", "kv_gather"):
+        assert resolve_attention_cp_style(style, q_heads, kv_heads, cp) == want
+    else:
+        with pytest.raises(ContextParallelError, match=want):
+            resolve_attention_cp_style(style, q_heads, kv_heads, cp)
+
+
+def test_key_range_reaches_back_to_the_first_documents_start():
+    # Row of 32 over 4 ranks (8 each): documents [0, 5), [5, 27), [27, 32).
+    seq_lens = [5, 22, 5]
+    assert key_range(build_packed_metadata(seq_lens, 0, 4)) == (0, 8)
+    assert key_range(build_packed_metadata(seq_lens, 1, 4)) == (5, 16)  # document 2 began on rank 0
+    assert key_range(build_packed_metadata(seq_lens, 2, 4)) == (5, 24)  # ... and spans three ranks
+    assert key_range(build_packed_metadata(seq_lens, 3, 4)) == (5, 32)
+    assert key_range(build_packed_metadata(seq_lens, 3, 4), sliding_window=4) == (21, 32)  # the window's reach
+    assert key_range(build_packed_metadata([8, 8, 8, 8], 2, 4)) == (16, 24)  # a cut on a boundary: nothing before
+
+
+def test_without_cp_both_strategies_are_plain_varlen_attention():
+    seq_lens = [5, 11, 3, 5]
+    meta = build_packed_metadata(seq_lens)
+    q, k, v = randn(24, 4, 8, seed=0), randn(24, 2, 8, seed=1), randn(24, 2, 8, seed=2)
+    want = torch_varlen_attention(q, k, v, meta.cu_seqlens, sliding_window=3)
+    for style in ("ulysses", "kv_gather"):
+        got = context_parallel_attention(q, k, v, meta, CPTopology.single(), style, sliding_window=3, backend="torch")
+        assert torch.equal(got, want), style
+    with pytest.raises(ContextParallelError, match="must be 'ulysses' or 'kv_gather' here, got 'auto'"):
+        context_parallel_attention(q, k, v, meta, CPTopology.single(), "auto")
+    with pytest.raises(ContextParallelError, match="metadata was built for rank 1 of cp=2"):
+        kv_gather_attention(q[:12], k[:12], v[:12], build_packed_metadata(seq_lens, 1, 2), CPTopology.single())
+    with pytest.raises(ContextParallelError, match=r"local tokens=24.*got \(23, 4, 8\)"):
+        kv_gather_attention(q[:23], k, v, meta, CPTopology.single())
+    with pytest.raises(ContextParallelError, match="sliding_window must be >= 1 or None, got 0"):
+        kv_gather_attention(q, k, v, meta, CPTopology.single(), sliding_window=0)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Worker-side helpers (module level: the workers import them by name)
+
+
+def _kv_gather_case(
+    module: None,
+    metadata: PackedRowMetadata,
+    topology: CPTopology,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    return kv_gather_attention(
+        q, k, v, metadata, topology, scale=scale, sliding_window=sliding_window, backend="torch"
+    )  # fmt: skip
+
+
+def _both_strategies(topology: CPTopology, seq_lens, q_full, k_full, v_full) -> float:
+    """Largest difference between the two strategies' outputs on this rank (heads both can split)."""
+    meta = build_packed_metadata(seq_lens, topology.rank, topology.size)
+    q, k, v = (t[meta.shard_start : meta.shard_end] for t in (q_full, k_full, v_full))
+    gathered = kv_gather_attention(q, k, v, meta, topology, backend="torch")
+    exchanged = ulysses_attention(q, k, v, meta, topology, backend="torch")
+    return (gathered - exchanged).abs().max().item()
+
+
+# --------------------------------------------------------------------------------------------------------
+# Multi-process
+
+
+@pytest.fixture(scope="module")
+def workers(request):
+    with GlooWorkers(request.param) as pool:
+        yield pool
+
+
+with_workers = pytest.mark.parametrize("workers", (2, 4), indirect=True, ids=lambda cp: f"cp{cp}")
+
+
+def _parity_configs(cp: int) -> dict[str, dict]:
+    return {
+        "q1_kv1": {"q_heads": 1, "kv_heads": 1},  # fewer query heads than ranks: Ulysses cannot run
+        "q3_kv1": {"q_heads": 3, "kv_heads": 1},  # cp does not divide the query heads
+        "q8_kv2": {"q_heads": 8, "kv_heads": 2},  # Ulysses could: the strategies agree below
+        "q6_kv3_window5": {"q_heads": 6, "kv_heads": 3, "sliding_window": 5},
+        "window2": {"q_heads": 2, "kv_heads": 1, "sliding_window": 2},  # (W = 1: the true q, k grads are 0)
+        "window_past_cut": {"q_heads": 2, "kv_heads": 2, "sliding_window": TOTAL // cp + 3},
+        "scale": {"q_heads": 4, "kv_heads": 4, "scale": 0.37},
+        "v_dim": {"q_heads": 4, "kv_heads": 1, "v_dim": HEAD_DIM + 4},  # separate gathers for k and v
+    }
+
+
+@with_workers
+@pytest.mark.parametrize("config_name", list(_parity_configs(2)))
+def test_kv_gather_parity_over_layout_cases(workers, config_name):
+    cp = workers.world_size
+    config = _parity_configs(cp)[config_name]
+    q_heads, kv_heads = config["q_heads"], config["kv_heads"]
+    case = functools.partial(_kv_gather_case, scale=config.get("scale"), sliding_window=config.get("sliding_window"))
+    layouts = dict(layout_cases(TOTAL, cp))
+    rng = random.Random(cp * 1000 + q_heads)
+    for trial in range(2):
+        layouts[f"random{trial}"] = random_seq_lens(TOTAL, rng)
+    failures = []
+    for index, (layout, seq_lens) in enumerate(layouts.items()):
+        seed = 100 * index + q_heads + kv_heads
+        inputs = {
+            "q": randn(TOTAL, q_heads, HEAD_DIM, seed=seed),
+            "k": randn(TOTAL, kv_heads, HEAD_DIM, seed=seed + 1),
+            "v": randn(TOTAL, kv_heads, config.get("v_dim", HEAD_DIM), seed=seed + 2),
+        }
+        report = check_cp_parity(
+            workers, case, seq_lens=seq_lens, inputs=inputs, seq_dims={"q": 0, "k": 0, "v": 0}, seed=seed
+        )
+        assert set(report.relative) == {"out", "grad.q", "grad.k", "grad.v"}, report.relative
+        try:
+            report.assert_close(rtol=1e-5)
+        except AssertionError as exc:
+            failures.append(f"{layout} {seq_lens}: {exc}")
+    assert not failures, f"cp={cp} {config_name}:\n" + "\n".join(failures)
+
+
+@with_workers
+def test_kv_gather_agrees_with_ulysses(workers):
+    cp = workers.world_size
+    for index, seq_lens in enumerate(layout_cases(TOTAL, cp).values()):
+        q, k, v = randn(TOTAL, 8, HEAD_DIM, seed=index), randn(TOTAL, 2, HEAD_DIM, seed=index + 1), None
+        v = randn(TOTAL, 2, HEAD_DIM, seed=index + 2)
+        for difference in workers.run(_both_strategies, seq_lens, q, k, v):
+            assert difference < 1e-5, (seq_lens, difference)
