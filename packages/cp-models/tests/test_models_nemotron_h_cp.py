@@ -19,6 +19,7 @@ from cp_core import ContextParallelError, CPTopology, PackedRowMetadata, build_p
 from cp_core.head_parallel import check_head_parallel, local_groups, local_heads
 from cp_core.testing import CommCounter, GlooWorkers, RankFailure, check_cp_parity, layout_cases, random_seq_lens
 from cp_models import (
+    ContextParallelAttention,
     ContextParallelModule,
     NemotronHForCausalLM,
     apply_activation_checkpointing,
@@ -116,8 +117,15 @@ def lm_case(
     labels: torch.Tensor,
     output: str = "token_log_probs",
     checkpoint_after: bool = False,
+    attention_cp_style: str = "auto",
 ) -> torch.Tensor:
-    set_context_parallel_attributes(module, topology.group, topology.rank, topology.size)
+    set_context_parallel_attributes(
+        module, topology.group, topology.rank, topology.size, attention_cp_style=attention_cp_style
+    )
+    if attention_cp_style != "auto" and topology.size > 1:
+        assert {m.attention_cp_style for m in module.modules() if isinstance(m, ContextParallelAttention)} == {
+            attention_cp_style
+        }
     if checkpoint_after:  # the other order: checkpointing wraps layers whose CP attributes are already set
         apply_activation_checkpointing(module)
     # Every token mixer (Mamba and attention) got the topology, also through checkpoint wrappers, and every Mamba
@@ -192,6 +200,8 @@ VARIANTS = {
     # Activation checkpointing applied first (the factory), CP attributes set through the wrappers (the case).
     "hybrid_checkpointed": ("hybrid", {"checkpointing": True}, lm_case, ("spans_all_ranks", "mixed_random")),
     "moe_checkpointed": ("moe_groups1", {"checkpointing": True}, lm_case, ("cuts_inside_documents",)),
+    # Attention by all-gathered keys and values.
+    "hybrid_kv_gather": ("hybrid", {}, functools.partial(lm_case, attention_cp_style="kv_gather"), SUBSET),
     # The other order: CP attributes first, then checkpointing.
     "hybrid_checkpoint_after_cp": (
         "hybrid",
@@ -383,11 +393,15 @@ def test_mamba_traffic_matches_the_documented_bytes(workers, config_name):
 # Setup validation: every rank raises the same ContextParallelError, none is left in a collective
 
 
-def _set_cp(topology: CPTopology, config_name: str, style: str, overrides: dict) -> str:
+def _set_cp(
+    topology: CPTopology, config_name: str, style: str, overrides: dict, attention_cp_style: str = "ulysses"
+) -> str:
     """set_context_parallel_attributes on a model with these overrides; on error, prove nothing was half-set."""
     model = build_model(config_name, style, **overrides)
     try:
-        set_context_parallel_attributes(model, topology.group, topology.rank, topology.size)
+        set_context_parallel_attributes(
+            model, topology.group, topology.rank, topology.size, attention_cp_style=attention_cp_style
+        )
     except Exception:
         layers = [m for m in model.modules() if isinstance(m, ContextParallelModule)]
         assert layers and all(m.cp_topology.size == 1 for m in layers), "layers configured before the error"
@@ -445,9 +459,12 @@ def test_a2a_heads_or_groups_that_do_not_split_are_rejected(workers):
 
 
 @with_workers
-def test_attention_heads_that_do_not_split_are_rejected(workers):
+def test_attention_heads_that_do_not_split_are_rejected_under_ulysses(workers):
     cp = workers.world_size
     overrides = {"num_attention_heads": 6, "num_key_value_heads": 3}
     must_name = ["q_heads=6", "cp=4"] if cp == 4 else ["kv_heads=3", "cp=2"]
     for style in STYLES:
         assert_every_rank_raises(workers, _set_cp, "hybrid", style, overrides, must_name=must_name)
+    # Unless attention gathers the keys and values ("auto" picks that for them).
+    for attention in ("auto", "kv_gather"):
+        assert workers.run(_set_cp, "hybrid", "state_passing", overrides, attention, timeout_s=60) == ["ok"] * cp

@@ -16,6 +16,7 @@ from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 from cp_core import CPTopology, PackedRowMetadata
 from cp_core.testing import GlooWorkers, RankFailure, check_cp_parity, keep_float64_, layout_cases
 from cp_models import (
+    ContextParallelAttention,
     ContextParallelModule,
     Qwen35ForCausalLM,
     apply_activation_checkpointing,
@@ -139,8 +140,16 @@ def lm_case(
     labels: torch.Tensor,
     output: str = "token_log_probs",
     checkpoint_after: bool = False,
+    attention_cp_style: str = "auto",
+    expect_attention: str | dict[int, str] = "ulysses",
 ) -> torch.Tensor:
-    set_context_parallel_attributes(module, topology.group, topology.rank, topology.size)
+    set_context_parallel_attributes(
+        module, topology.group, topology.rank, topology.size, attention_cp_style=attention_cp_style
+    )
+    if topology.size > 1:  # the strategy each attention layer resolved to
+        attention = [m for m in module.modules() if isinstance(m, ContextParallelAttention)]
+        expected = expect_attention if isinstance(expect_attention, str) else expect_attention[topology.size]
+        assert attention and {m.attention_cp_style for m in attention} == {expected}
     if checkpoint_after:  # the other order: checkpointing wraps layers whose CP attributes are already set
         apply_activation_checkpointing(module)
     # Every token mixer got the topology, also through checkpoint wrappers.
@@ -233,6 +242,18 @@ VARIANTS = {
         functools.partial(build_model, "moe", checkpointing=True),
         lm_case,
         ("spans_all_ranks", "mixed_random"),
+    ),
+    # Attention by all-gathered keys and values, forced where Ulysses could run ...
+    "dense_kv_gather": (
+        functools.partial(build_model, "dense"),
+        functools.partial(lm_case, attention_cp_style="kv_gather", expect_attention="kv_gather"),
+        None,
+    ),
+    # ... and chosen by "auto" where it cannot: 2 query heads, 1 KV head, fewer than cp = 4 (cp = 2 keeps Ulysses).
+    "moe_two_heads_auto": (
+        functools.partial(build_model, "moe", num_attention_heads=2, head_dim=16),
+        functools.partial(lm_case, expect_attention={2: "ulysses", 4: "kv_gather"}),
+        SUBSET,
     ),
     # The other order: CP attributes first, then checkpointing.
     "dense_checkpoint_after_cp": (
@@ -385,16 +406,20 @@ def test_checkpointing_leaves_the_model_unchanged():
 # Setup validation: every rank raises the same ContextParallelError, none is left in a collective
 
 
-def _set_cp(topology: CPTopology, config_name: str, overrides: dict) -> str:
-    """set_context_parallel_attributes on a model with these overrides; on error, prove nothing was half-set."""
+def _set_cp(topology: CPTopology, config_name: str, overrides: dict, attention_cp_style: str = "auto") -> str:
+    """set_context_parallel_attributes on a model with these overrides; on error, prove nothing was half-set.
+    Returns the attention layers' strategy."""
     model = build_model(config_name, **overrides)
     try:
-        set_context_parallel_attributes(model, topology.group, topology.rank, topology.size)
+        set_context_parallel_attributes(
+            model, topology.group, topology.rank, topology.size, attention_cp_style=attention_cp_style
+        )
     except Exception:
         layers = [m for m in model.modules() if isinstance(m, ContextParallelModule)]
         assert layers and all(m.cp_topology.size == 1 for m in layers), "layers configured before the error"
         raise
-    return "ok"
+    (style,) = {m.attention_cp_style for m in model.modules() if isinstance(m, ContextParallelAttention)}
+    return style
 
 
 def _set_cp_on_transformers_model(topology: CPTopology) -> str:
@@ -436,14 +461,18 @@ def assert_every_rank_raises(workers: GlooWorkers, fn, *args, must_name: list[st
 
 
 @with_workers
-def test_heads_that_do_not_split_over_cp_are_rejected(workers):
+def test_heads_that_do_not_split_over_cp_are_rejected_under_forced_ulysses(workers):
     cp = workers.world_size
     # 6 query heads, 3 KV heads: cp=4 does not divide the query heads; cp=2 does, but 2 and 3 KV heads do not nest.
     overrides = {"num_attention_heads": 6, "num_key_value_heads": 3}
     must_name = ["q_heads=6", "cp=4"] if cp == 4 else ["kv_heads=3", "cp=2"]
-    assert_every_rank_raises(workers, _set_cp, "dense", overrides, must_name=must_name)
-    # The control: the default heads (4 query, 2 KV) split over both sizes.
-    assert workers.run(_set_cp, "dense", {}, timeout_s=60) == ["ok"] * cp
+    assert_every_rank_raises(workers, _set_cp, "dense", overrides, "ulysses", must_name=[*must_name, "kv_gather"])
+    # "auto" (the default) takes all-gather KV for them; the default heads (4 query, 2 KV) split over both sizes.
+    assert workers.run(_set_cp, "dense", overrides, "auto", timeout_s=60) == ["kv_gather"] * cp
+    assert workers.run(_set_cp, "dense", {}, "ulysses", timeout_s=60) == ["ulysses"] * cp
+    assert_every_rank_raises(
+        workers, _set_cp, "dense", {}, "ring", must_name=["unknown attention CP style 'ring'"]
+    )  # fmt: skip
 
 
 @with_workers

@@ -2,6 +2,7 @@
 
 from cp_models.common import (
     CausalLMOutput,
+    ContextParallelAttention,
     ContextParallelModule,
     apply_activation_checkpointing,
     set_context_parallel_attributes,
@@ -14,6 +15,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CausalLMOutput",
+    "ContextParallelAttention",
     "ContextParallelModule",
     "MambaCPStyle",
     "NemotronHForCausalLM",

@@ -14,11 +14,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cp_core import (
+    AttentionBackend,
+    AttentionCPStyle,
     ContextParallelError,
     CPTopology,
     PackedRowMetadata,
     RecurrentBackend,
     build_packed_metadata,
+    context_parallel_attention,
+    resolve_attention_cp_style,
     resolve_recurrent_backend,
 )
 from cp_core.packing import check_divisible
@@ -34,13 +38,56 @@ class ContextParallelModule(nn.Module):
         """Raise if this layer cannot run with ``cp_size`` ranks (e.g. a head-count rule)."""
 
 
+class ContextParallelAttention(ContextParallelModule):
+    """Softmax attention under CP, by Ulysses or by all-gathered keys and values (``attention_cp_style``, resolved
+    once per model by :func:`set_context_parallel_attributes`). Subclasses set ``num_heads``, ``num_kv_heads``
+    and ``attention_backend`` and call :meth:`attend`."""
+
+    num_heads: int
+    num_kv_heads: int
+    attention_backend: AttentionBackend = "auto"
+    attention_cp_style: str = "ulysses"
+
+    def resolve_attention_cp_style(self, style: str, cp_size: int) -> str:
+        return resolve_attention_cp_style(style, self.num_heads, self.num_kv_heads, cp_size)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        meta: PackedRowMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        return context_parallel_attention(
+            query,
+            key,
+            value,
+            meta,
+            self.cp_topology,
+            self.attention_cp_style,
+            scale=scale,
+            sliding_window=sliding_window,
+            backend=self.attention_backend,
+        )
+
+
 def set_context_parallel_attributes(
-    model: nn.Module, group: dist.ProcessGroup | None, rank: int, world_size: int
+    model: nn.Module,
+    group: dist.ProcessGroup | None,
+    rank: int,
+    world_size: int,
+    *,
+    attention_cp_style: AttentionCPStyle = "auto",
 ) -> CPTopology:
     """Set the CP topology on every token-mixing layer of ``model`` (through activation-checkpoint wrappers).
 
-    Validates every layer for ``world_size`` first (head rules), so nothing is half-configured on error. Raises
-    :class:`ContextParallelError` for a model containing token-mixing modules that have no CP implementation.
+    ``attention_cp_style`` picks how softmax attention splits: "ulysses" (all-to-all over heads; cp must divide the
+    query heads), "kv_gather" (all-gathered keys and values; any cp) or "auto" (Ulysses where its head rule holds,
+    else all-gather KV). Validates every layer for ``world_size`` first (head rules), so nothing is
+    half-configured on error. Raises :class:`ContextParallelError` for a model containing token-mixing modules that
+    have no CP implementation.
     """
     topology = CPTopology(group=group, rank=rank, size=world_size) if world_size > 1 else CPTopology.single()
     cp_layers = [m for m in model.modules() if isinstance(m, ContextParallelModule)]
@@ -51,8 +98,15 @@ def set_context_parallel_attributes(
         )
     for layer in cp_layers:
         layer.check_context_parallel(world_size)
+    styles = {
+        layer: layer.resolve_attention_cp_style(attention_cp_style, world_size)
+        for layer in cp_layers
+        if isinstance(layer, ContextParallelAttention)
+    }
     for layer in cp_layers:
         layer.cp_topology = topology
+    for layer, style in styles.items():
+        layer.attention_cp_style = style
     model.cp_topology = topology
     return topology
 

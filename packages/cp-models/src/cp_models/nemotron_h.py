@@ -7,8 +7,9 @@ One readable file in the manner of transformers' modeling files. Parameter names
 
 Every block is ``x + mixer(RMSNorm(x))`` with one mixer chosen by ``config.layers_block_type`` (from
 ``hybrid_override_pattern``: M = Mamba-2, * = attention, - = MLP, E = MoE). Forward takes this rank's tokens of
-one packed row and the row's global document lengths. Attention runs Ulysses (cp_core.ulysses_attention). Mamba-2
-runs one of two CP strategies, chosen per model with ``mamba_cp_style``:
+one packed row and the row's global document lengths. Attention runs Ulysses or all-gathered KV
+(cp_core.context_parallel_attention, chosen by set_context_parallel_attributes). Mamba-2 runs one of two CP
+strategies, chosen per model with ``mamba_cp_style``:
 
 - ``"state_passing"``: stay sequence-sharded; the conv gets the previous rank's last ``W-1`` inputs
   (cp_core.causal_conv1d_cp) and the SSD scan gets its initial state from the previous rank (cp_core.ssd_cp).
@@ -37,15 +38,14 @@ from cp_core import (
     RecurrentBackend,
     causal_conv1d,
     causal_conv1d_cp,
-    check_ulysses_heads,
     heads_to_sequence,
     ssd,
     ssd_cp,
-    ulysses_attention,
 )
 from cp_core.head_parallel import check_head_parallel, fused_sequence_to_heads, local_groups, local_heads
 from cp_models.common import (
     CausalLMOutput,
+    ContextParallelAttention,
     ContextParallelModule,
     GatedRMSNorm,
     build_row_metadata,
@@ -273,9 +273,9 @@ class NemotronHMamba2Mixer(ContextParallelModule):
         return heads_to_sequence(y, topology)
 
 
-class NemotronHAttention(ContextParallelModule):
-    """Grouped-query softmax attention without positional encoding or biases (as transformers' Nemotron-H),
-    Ulysses under CP."""
+class NemotronHAttention(ContextParallelAttention):
+    """Grouped-query softmax attention without positional encoding or biases (as transformers' Nemotron-H);
+    Ulysses or all-gathered KV under CP."""
 
     def __init__(self, config, attention_backend: AttentionBackend = "auto"):
         super().__init__()
@@ -288,17 +288,12 @@ class NemotronHAttention(ContextParallelModule):
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
-    def check_context_parallel(self, cp_size: int) -> None:
-        check_ulysses_heads(self.num_heads, self.num_kv_heads, cp_size)
-
     def forward(self, hidden: torch.Tensor, meta: PackedRowMetadata) -> torch.Tensor:
         t = hidden.size(0)
         query = self.q_proj(hidden).view(t, self.num_heads, self.head_dim)
         key = self.k_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
         value = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
-        out = ulysses_attention(
-            query, key, value, meta, self.cp_topology, scale=self.scaling, backend=self.attention_backend
-        )
+        out = self.attend(query, key, value, meta, self.scaling)
         return self.o_proj(out.reshape(t, -1))
 
 

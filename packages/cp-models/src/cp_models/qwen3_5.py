@@ -6,7 +6,8 @@ loads directly, and :meth:`Qwen35ForCausalLM.save_pretrained` writes one transfo
 
 Layers: Gated DeltaNet (``linear_attention``), gated softmax attention (``full_attention``), SwiGLU MLP or sparse
 MoE with a gated shared expert. Forward takes this rank's tokens of one packed row and the row's global document
-lengths; attention runs Ulysses (cp_core.ulysses_attention), GDN the conv halo and state passing.
+lengths; attention runs Ulysses or all-gathered KV (cp_core.context_parallel_attention, chosen by
+set_context_parallel_attributes), GDN the conv halo and state passing.
 """
 
 from __future__ import annotations
@@ -26,12 +27,11 @@ from cp_core import (
     PackedRowMetadata,
     RecurrentBackend,
     causal_conv1d_cp,
-    check_ulysses_heads,
     gated_delta_rule_cp,
-    ulysses_attention,
 )
 from cp_models.common import (
     CausalLMOutput,
+    ContextParallelAttention,
     ContextParallelModule,
     GatedRMSNorm,
     ZeroCenteredRMSNorm,
@@ -122,8 +122,9 @@ def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
 # Token mixers
 
 
-class Qwen35Attention(ContextParallelModule):
-    """Gated softmax attention: q_proj emits query and gate, q/k RMSNorm, partial rotary, GQA, Ulysses under CP."""
+class Qwen35Attention(ContextParallelAttention):
+    """Gated softmax attention: q_proj emits query and gate, q/k RMSNorm, partial rotary, GQA; Ulysses or
+    all-gathered KV under CP."""
 
     def __init__(
         self, config, attention_backend: AttentionBackend = "auto", recurrent_backend: RecurrentBackend = "auto"
@@ -141,9 +142,6 @@ class Qwen35Attention(ContextParallelModule):
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, eps=config.rms_norm_eps, backend=recurrent_backend)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, eps=config.rms_norm_eps, backend=recurrent_backend)
 
-    def check_context_parallel(self, cp_size: int) -> None:
-        check_ulysses_heads(self.num_heads, self.num_kv_heads, cp_size)
-
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], meta: PackedRowMetadata):
         t = hidden.size(0)
         query, gate = self.q_proj(hidden).view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
@@ -152,9 +150,7 @@ class Qwen35Attention(ContextParallelModule):
         value = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
         cos, sin = rotary
         query, key = apply_partial_rotary(query, cos, sin), apply_partial_rotary(key, cos, sin)
-        out = ulysses_attention(
-            query, key, value, meta, self.cp_topology, scale=self.scaling, backend=self.attention_backend
-        )
+        out = self.attend(query, key, value, meta, self.scaling)
         out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
         return self.o_proj(out)
 
