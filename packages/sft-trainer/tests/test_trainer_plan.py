@@ -134,22 +134,22 @@ def test_the_largest_block_is_the_largest_decoder_layer():
 # Bytes: closed forms vs what one layer sends on a fake process group (every rank; the busiest counts)
 
 
-def _sent(make_inputs, rank: int, cp: int, seq_len: int, recompute: bool) -> int:
+def _sent(make_inputs, rank: int, cp: int, seq_len: int, recompute: bool, attention_cp: str = "auto") -> int:
     """Bytes ``rank`` sends while the layer runs forward + backward (under activation checkpointing: recompute)."""
     with fake_process_group(rank, cp):
         torch.manual_seed(0)
         meta = build_packed_metadata([seq_len], rank, cp)  # one document spanning the row
         module, inputs = make_inputs(meta)
         if any(isinstance(m, ContextParallelModule) for m in module.modules()):
-            set_context_parallel_attributes(module, dist.group.WORLD, rank, cp)
+            set_context_parallel_attributes(module, dist.group.WORLD, rank, cp, attention_cp_style=attention_cp)
         with CommCounter(cp) as counter:
             out = checkpoint(module, *inputs, use_reentrant=False) if recompute else module(*inputs)
             out.float().sum().backward()
         return counter.total_sent_bytes
 
 
-def busiest_rank_bytes(make_inputs, cp: int, seq_len: int, recompute: bool = False) -> int:
-    return max(_sent(make_inputs, r, cp, seq_len, recompute) for r in range(cp))
+def busiest_rank_bytes(make_inputs, cp: int, seq_len: int, recompute: bool = False, attention_cp: str = "auto") -> int:
+    return max(_sent(make_inputs, r, cp, seq_len, recompute, attention_cp) for r in range(cp))
 
 
 def _qwen_layer(config, index: int, dtype):
@@ -189,6 +189,11 @@ def test_qwen35_layer_bytes_equal_the_closed_forms(cp, dtype):
             seq_len, cp, dense.num_attention_heads, dense.num_key_value_heads, dense.head_dim, elem, recompute=recompute
         )
         assert attention == expected > 0
+        gathered = busiest_rank_bytes(_qwen_layer(dense, 3, dtype), cp, seq_len, recompute, "kv_gather")
+        expected = plan.kv_gather_attention_bytes(
+            seq_len, cp, dense.num_key_value_heads, dense.head_dim, elem, recompute=recompute
+        )
+        assert gathered == expected > 0
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -206,6 +211,10 @@ def test_nemotron_h_layer_bytes_equal_the_closed_forms(cp):
             seq_len, cp, config.num_attention_heads, config.num_key_value_heads, config.head_dim, 2, recompute=recompute
         )
         assert attention == expected > 0
+        block = _nemotron_block(config, 1, "state_passing")
+        gathered = busiest_rank_bytes(block, cp, seq_len, recompute, "kv_gather")
+        kv, d = config.num_key_value_heads, config.head_dim
+        assert gathered == plan.kv_gather_attention_bytes(seq_len, cp, kv, d, 2, recompute=recompute) > 0
     for index in (3, 4):  # MLP, MoE: token-wise
         assert busiest_rank_bytes(_nemotron_block(config, index, "state_passing"), cp, seq_len) == 0
 
@@ -223,6 +232,53 @@ def test_closed_forms_match_the_documented_tables():
     assert plan.ulysses_attention_bytes(32768, 1, 8, 2, 256) == plan.gdn_bytes(shipped("qwen3_5-0.8b"), 32768, 1) == 0
     # 0.8B attention at cp 2: 2 * 16384 * (16 + 4) * 256 * 2 * 1/2 bytes
     assert plan.ulysses_attention_bytes(32768, 2, 8, 2, 256, 2) == 2 * 16384 * 20 * 256 * 2 // 2
+
+
+def test_attention_strategy_beyond_the_query_heads():
+    """0.8B (8 query, 2 KV heads): Ulysses up to cp 8; beyond it "auto" gathers the keys and values, and the
+    estimate holds the gathered row's k|v (2 Hkv D cp per local token) instead of the head-layout q, k, v."""
+    config = shipped("qwen3_5-0.8b")
+    assert [plan.attention_strategy(config, cp) for cp in (1, 8, 16, 64)] == ["ulysses"] * 2 + ["kv_gather"] * 2
+    assert plan.valid_cp(config, 16) is None and plan.valid_cp(config, 64, attention_cp="kv_gather") is None
+    assert "cp=16, q_heads=8" in plan.valid_cp(config, 16, attention_cp="ulysses")
+    for cp in (2, 16):
+        ulysses = plan.layer_widths(config, cp, attention_cp="ulysses") if cp <= 8 else None
+        gathered = plan.layer_widths(config, cp, attention_cp="kv_gather")
+        assert gathered["attn_gathered"] == (8 + 2 * 2 * cp) * 256 and gathered["attn_q_cp"] == 0
+        if ulysses:
+            assert ulysses["attn_gathered"] == (8 + 2 * max(2, cp)) * 256 and ulysses["attn_q_cp"] == 8 * 256
+    nano = shipped("nemotron_h-nano-30b-a3b")
+    assert plan.attention_strategy(nano, 64) == "kv_gather" and plan.attention_strategy(shipped("qwen3_5-2b"), 8)
+
+
+def test_kv_gather_keeps_the_gathered_row_alive_on_every_rank():
+    """The planner's kv_gather width counts the whole gathered k|v buffer, [S, 2 Hkv, D], on every rank: the
+    attention saves views of it (the first rank's keys are only its own shard, yet the buffer is one tensor)."""
+    from cp_models.qwen3_5 import Qwen35Attention
+
+    config = tiny_qwen35_config()
+    attention = Qwen35Attention(config, "torch", "torch").to(torch.bfloat16)
+    cp, seq_len = 4, 64
+    gathered_bytes = seq_len * 2 * config.num_key_value_heads * config.head_dim * 2
+    packed = []
+
+    def pack(t):
+        packed.append(t)
+        return t
+
+    for rank in range(cp):
+        with fake_process_group(rank, cp) as group:
+            set_context_parallel_attributes(attention, group, rank, cp, attention_cp_style="kv_gather")
+            meta = build_packed_metadata([seq_len], rank, cp)
+            x = torch.randn(meta.local_len, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+            rotary = Qwen35Rotary(config)(meta.local_position_ids, torch.bfloat16)
+            packed.clear()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = attention(x, rotary, meta)
+            sizes = {t.untyped_storage().nbytes() for t in packed}
+            assert gathered_bytes in sizes, (rank, sorted(sizes))
+            del out
+            set_context_parallel_attributes(attention, None, 0, 1)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -539,6 +595,10 @@ def test_cli_prints_the_table(capsys):
     assert re.search(r"full_attention \(gated softmax attention\)\s+1\s+Ulysses all-to-all, KV heads x1", out)
     assert re.search(r"mlp \(SwiGLU MLP\)\s+4\s+local", out)
     assert "Memory per rank (GiB)" in out and "Longest data.seq_len that fits" in out
+    assert "attention_cp=auto (ulysses)" in out
+    # 4 query heads: from cp 8 on "auto" gathers the keys and values; forced Ulysses cannot run there.
+    assert re.search(r"\n\s+8\s+\d+\s+\d+\n", out) and "not valid" not in out
+    out = run_plan(capsys, "--config", "tiny_cpu", "--parallel.attention_cp", "ulysses")
     assert "not valid: Ulysses attention needs cp to divide the query heads: cp=8, q_heads=4" in out
 
 
@@ -600,9 +660,9 @@ def test_nemotron_a2a_plan_names_the_replicated_groups(capsys):
     ("overrides", "parts"),
     [
         (
-            ["--parallel.cp", "3", "--data.seq_len", "258"],
+            ["--parallel.cp", "3", "--data.seq_len", "258", "--parallel.attention_cp", "ulysses"],
             [
-                "parallel.cp=3 vs the attention heads of model.preset='tiny-qwen3_5'",
+                "parallel.cp=3 with parallel.attention_cp='ulysses' vs the attention heads of model.preset='tiny-qwen3_5'",
                 "num_attention_heads=4",
                 "Ulysses attention needs cp to divide the query heads: cp=3, q_heads=4",
             ],
@@ -641,38 +701,36 @@ def test_does_not_fit_suggests_checkpointing_and_a_shorter_row(capsys):
     need = plan.estimate_memory(config, 1048576, 2, activation_checkpointing=False, **kw).needed / GIB
     ckpt = plan.estimate_memory(config, 1048576, 2, activation_checkpointing=True, **kw).needed / GIB
     longest = plan.longest_seq_len(config, 2, plan.H200_GIB, activation_checkpointing=False, **kw)
-    assert ckpt < plan.H200_GIB < need
+    # Without checkpointing the first cp that fits is 32 (beyond the 8 query heads: all-gathered KV).
+    wider = {
+        cp: plan.estimate_memory(config, 1048576, cp, activation_checkpointing=False, fsdp_world=cp).needed / GIB
+        for cp in (16, 32)
+    }
+    assert ckpt < plan.H200_GIB < need and wider[32] <= plan.H200_GIB < wider[16]
     assert message == (
         f"sft-train plan: data.seq_len=1048576 at parallel.cp=2 does not fit: needs {need:.1f} GiB per rank, the "
-        f"GPU has {plan.H200_GIB:.1f} GiB; enable model.activation_checkpointing (then {ckpt:.1f} GiB) / lower "
-        f"data.seq_len to {longest}"
+        f"GPU has {plan.H200_GIB:.1f} GiB; enable model.activation_checkpointing (then {ckpt:.1f} GiB) / raise "
+        f"parallel.cp to 32 (then {wider[32]:.1f} GiB) / lower data.seq_len to {longest}"
     )
 
 
 def test_does_not_fit_suggests_a_larger_cp(capsys):
     config = shipped("qwen3_5-0.8b")
-    message = _does_not_fit(
-        capsys,
-        "--data.seq_len",
-        "4000000",
-        "--parallel.cp",
-        "2",
-        "--model.activation_checkpointing",
-        "true",
-        "--gpu-memory-gib",
-        "139.8",
-    )
+    args = ("--data.seq_len", "4000000", "--parallel.cp", "2", "--model.activation_checkpointing", "true")
 
-    def need(cp):
-        return plan.estimate_memory(config, 4000000, cp, activation_checkpointing=True, fsdp_world=cp).needed / GIB
+    def need(cp, attention_cp="auto"):
+        kw = dict(activation_checkpointing=True, fsdp_world=cp, attention_cp=attention_cp)
+        return plan.estimate_memory(config, 4000000, cp, **kw).needed / GIB
 
-    assert need(4) > plan.H200_GIB >= need(8)
-    assert (
-        f"needs {need(2):.1f} GiB per rank, the GPU has 139.8 GiB; raise parallel.cp to 8 (then {need(8):.1f} GiB)"
-        in (message)
-    )
-    assert "enable model.activation_checkpointing" not in message
-    assert "lower data.seq_len to" in message
+    # cp 3 does not divide the row, cp 4 is too small; cp 5 fits with all-gathered KV ("auto": 5 does not divide
+    # the 8 query heads), and under forced Ulysses the next valid cp, 8.
+    assert need(4) > plan.H200_GIB >= need(5)
+    for attention_cp, cp in (("auto", 5), ("ulysses", 8)):
+        message = _does_not_fit(capsys, *args, "--gpu-memory-gib", "139.8", "--parallel.attention_cp", attention_cp)
+        expected = f"needs {need(2):.1f} GiB per rank, the GPU has 139.8 GiB; raise parallel.cp to {cp} (then "
+        assert expected + f"{need(cp, attention_cp):.1f} GiB)" in message, message
+        assert "enable model.activation_checkpointing" not in message
+        assert "lower data.seq_len to" in message
 
 
 def test_vl_plan_counts_the_vision_tower(capsys):

@@ -48,8 +48,18 @@ def test_torchrun_cp2_fsdp_equals_cp1_and_logs_to_wandb(cp1_run, tmp_path):
 
 def test_dp2_cp2_fsdp_equals_cp1_with_accumulation(cp1_run, tmp_path):
     """dp = 2 replicas of cp = 2 (4 ranks, FSDP2 over all four), one row per replica and step, equals one process
-    accumulating the same two rows: the loss is the exact per-token mean over dp x cp."""
-    overrides = ("--parallel.cp", "2", "--parallel.dp", "2", "--train.grad_accum", "1")
+    accumulating the same two rows: the loss is the exact per-token mean over dp x cp. Attention here gathers the
+    keys and values (parallel.attention_cp = "kv_gather"; the torchrun test above runs Ulysses)."""
+    overrides = (
+        "--parallel.cp",
+        "2",
+        "--parallel.dp",
+        "2",
+        "--train.grad_accum",
+        "1",
+        "--parallel.attention_cp",
+        "kv_gather",
+    )
     _assert_same_run(cp1_run, (tmp_path, _train(tmp_path, *overrides)))
 
 

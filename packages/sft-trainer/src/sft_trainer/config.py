@@ -75,7 +75,8 @@ SHIPPED_MODEL_CONFIGS = CONFIGS_DIR / "models"
 # Which CP styles each layer type runs under, per model family (``parallel.cp_style``; "auto" picks the first
 # style of the family). Qwen3.5: "ulysses" = softmax attention by Ulysses all-to-all, GDN by the conv halo and
 # state passing. Nemotron-H: the style is the Mamba-2 strategy ("state_passing": conv halo + SSD state passing;
-# "a2a": head-parallel all-to-all); its attention layers run Ulysses under either, MLP/MoE layers need no CP.
+# "a2a": head-parallel all-to-all); MLP/MoE layers need no CP. Softmax attention follows ``parallel.attention_cp``
+# (Ulysses or all-gathered KV) under every style.
 LAYER_CP_STYLES: dict[str, dict[str, tuple[str, ...]]] = {
     "qwen3_5": {"full_attention": ("ulysses",), "linear_attention": ("ulysses",)},
     "nemotron_h": {
@@ -343,8 +344,15 @@ class ParallelConfig(_Section):
         "auto",
         description="CP strategy. Qwen3.5: 'ulysses' (all-to-all attention, conv halo + state passing for GDN). "
         "Nemotron-H, the strategy of its Mamba-2 layers: 'state_passing' (conv halo + SSD state passing, any cp) or "
-        "'a2a' (head-parallel all-to-all, needs cp | Mamba heads); its attention runs Ulysses either way. 'auto': "
-        "'ulysses' for Qwen3.5, 'state_passing' for Nemotron-H.",
+        "'a2a' (head-parallel all-to-all, needs cp | Mamba heads). Softmax attention follows attention_cp under "
+        "every style. 'auto': 'ulysses' for Qwen3.5, 'state_passing' for Nemotron-H.",
+    )
+    attention_cp: Literal["auto", "ulysses", "kv_gather"] = Field(
+        "auto",
+        description="How softmax-attention layers split over cp: 'ulysses' (all-to-all to head shards; cp must "
+        "divide the query heads; even work per rank), 'kv_gather' (every rank all-gathers the row's keys and "
+        "values; any cp; the later ranks do more of the causal work), 'auto': 'ulysses' where the heads allow it, "
+        "else 'kv_gather'.",
     )
     fsdp: bool = Field(
         True,
@@ -767,7 +775,7 @@ def resolve_model_config(model: ModelConfig, vocab_size: int | None = None, toke
 
 
 def _check_model(cfg: TrainConfig) -> list[str]:
-    from cp_core import ContextParallelError, check_ulysses_heads
+    from cp_core import ContextParallelError, resolve_attention_cp_style
 
     try:
         hf = resolve_model_config(cfg.model)
@@ -818,11 +826,11 @@ def _check_model(cfg: TrainConfig) -> list[str]:
     if "full_attention" in layers:
         q, kv = text.num_attention_heads, text.num_key_value_heads
         try:
-            check_ulysses_heads(q, kv, par.cp)
+            resolve_attention_cp_style(par.attention_cp, q, kv, par.cp)
         except ContextParallelError as exc:
             problems.append(
-                f"parallel.cp={par.cp} vs the attention heads of {source} (num_attention_heads={q}, "
-                f"num_key_value_heads={kv}): {exc}"
+                f"parallel.cp={par.cp} with parallel.attention_cp={par.attention_cp!r} vs the attention heads of "
+                f"{source} (num_attention_heads={q}, num_key_value_heads={kv}): {exc}"
             )
     if family == "qwen3_5" and "linear_attention" in layers:
         k_heads, v_heads = text.linear_num_key_heads, text.linear_num_value_heads

@@ -2,12 +2,13 @@
 
 From the validated :class:`~sft_trainer.config.TrainConfig` and nothing bigger than the model's config, it reports
 
-1. per layer type: how many there are, the CP strategy at this ``cp``, and the bytes each rank sends per row
-   (forward + backward, the busiest rank, one document spanning the row), with totals, the state-passing vs
-   all-to-all share and the time at a stated NVLink bandwidth;
+1. per layer type: how many there are, the CP strategy at this ``cp`` (attention: Ulysses or all-gathered KV,
+   ``parallel.attention_cp``), and the bytes each rank sends per row (forward + backward, the busiest rank, one
+   document spanning the row), with totals, the state-passing / all-to-all / all-gather shares and the time at a
+   stated NVLink bandwidth;
 2. the memory per rank (parameters, gradients, AdamW state, activations, backward workspace, headroom) with and
    without activation checkpointing;
-3. the longest ``data.seq_len`` that fits the GPU at this ``cp`` and at every valid cp in 1, 2, 4, 8;
+3. the longest ``data.seq_len`` that fits the GPU at this ``cp`` and at every valid cp in 1, 2, 4, ..., 64;
 4. the reason, with the numbers that fix it, when the run cannot work.
 
 The byte counts are exact closed forms of what cp_core's collectives send (tests compare them with
@@ -224,7 +225,7 @@ FLA_CHUNK = 64
 
 H200_GIB = 139.8  # torch.cuda.get_device_properties(0).total_memory of an H200, GiB
 NVLINK_GBPS = 450.0  # H200 NVLink 4 stated per-direction bandwidth, GB/s (1e9 bytes)
-PLANNED_CPS = (1, 2, 4, 8)
+PLANNED_CPS = (1, 2, 4, 8, 16, 32, 64)
 
 __all__ = [
     "ACTIVATION_COEFFICIENTS",
@@ -236,11 +237,13 @@ __all__ = [
     "MemoryEstimate",
     "ParameterCount",
     "activation_bytes_per_token",
+    "attention_strategy",
     "build_plan",
     "count_parameters",
     "estimate_memory",
     "format_plan",
     "gdn_bytes",
+    "kv_gather_attention_bytes",
     "layer_widths",
     "longest_seq_len",
     "main",
@@ -270,6 +273,21 @@ def ulysses_attention_bytes(
     if cp == 1:
         return 0
     total = 2 * (seq_len // cp) * (2 * q_heads + 2 * max(kv_heads, cp)) * head_dim * elem * (cp - 1) // cp
+    return total + (total // 2 if recompute else 0)
+
+
+def kv_gather_attention_bytes(
+    seq_len: int, cp: int, kv_heads: int, head_dim: int, elem: int = 2, *, recompute: bool = False
+) -> int:
+    """Bytes one rank sends per all-gather-KV attention layer and row, forward + backward.
+
+    ``2 (cp-1) (S/cp) 2 Hkv D elem``: forward the shard's k|v to every other rank (all-gather); backward the row's
+    k|v gradients reduce-scattered, ``(cp-1)/cp`` of ``S 2 Hkv D``. ``recompute``: activation checkpointing
+    re-runs the forward (half of it) in backward.
+    """
+    if cp == 1:
+        return 0
+    total = 2 * (cp - 1) * (seq_len // cp) * 2 * kv_heads * head_dim * elem
     return total + (total // 2 if recompute else 0)
 
 
@@ -511,8 +529,21 @@ def _runs_prepass(cp: int, rank: int | None) -> bool:
     return cp > 1 and (rank is None or rank < cp - 1)
 
 
+def attention_strategy(text_config, cp: int, attention_cp: str = "auto") -> str | None:
+    """ "ulysses" or "kv_gather": how the model's softmax attention splits over ``cp`` under ``attention_cp``
+    (cp_core.resolve_attention_cp_style; raises its error when forced Ulysses cannot); None without attention."""
+    from cp_core import resolve_attention_cp_style
+
+    types = text_config.layers_block_type if _family(text_config) == "nemotron_h" else text_config.layer_types
+    if "full_attention" not in types:
+        return None
+    return resolve_attention_cp_style(
+        attention_cp, text_config.num_attention_heads, text_config.num_key_value_heads, cp
+    )
+
+
 def layer_widths(
-    text_config, cp: int, mamba_cp_style: str = "state_passing", rank: int | None = None
+    text_config, cp: int, mamba_cp_style: str = "state_passing", rank: int | None = None, attention_cp: str = "auto"
 ) -> dict[str, float]:
     """Element counts per local token that :data:`ACTIVATION_COEFFICIENTS` multiplies (see its comment), for CP
     rank ``rank`` of one document spanning the row (None: the busiest rank)."""
@@ -520,13 +551,17 @@ def layer_widths(
     w: dict[str, float] = {"hidden": c.hidden_size, "rows": 1}
     family = _family(c)
     w["intermediate"] = getattr(c, "intermediate_size", 0) or 0
-    if "full_attention" in (c.layers_block_type if family == "nemotron_h" else c.layer_types):
+    strategy = attention_strategy(c, cp, attention_cp)
+    if strategy is not None:
         d, hq, hkv = _head_dim(c), c.num_attention_heads, c.num_key_value_heads
+        gathered = strategy == "kv_gather" and cp > 1
         w.update(
             attn_q=hq * d,
             attn_kv=hkv * d,
-            attn_gathered=(hq + 2 * max(hkv, cp)) * d,
-            attn_q_cp=hq * d if cp > 1 else 0,
+            # all-gather KV: the local q and the gathered row's k|v buffer (cp T tokens; the attention keeps views
+            # of it alive on every rank); its output is already in the local layout (no exchange back).
+            attn_gathered=(hq + 2 * hkv * cp) * d if gathered else (hq + 2 * max(hkv, cp)) * d,
+            attn_q_cp=hq * d if cp > 1 and not gathered else 0,
             q_heads=hq,
             kv_heads=hkv,
         )
@@ -607,13 +642,18 @@ def _parts(family: str, kind: str, cp: int, mamba_cp_style: str, rank: int | Non
 
 
 def activation_bytes_per_token(
-    text_config, cp: int, elem: int = 2, mamba_cp_style: str = "state_passing", rank: int | None = None
+    text_config,
+    cp: int,
+    elem: int = 2,
+    mamba_cp_style: str = "state_passing",
+    rank: int | None = None,
+    attention_cp: str = "auto",
 ) -> dict[str, dict[str, float]]:
     """Bytes per local token, per layer part kind: ``{"gdn": {"saved": ..., "transient": ...}, ...}``, plus
     ``"block"`` (the norms around each layer) and ``"model"`` (once per model). ``rank``: a CP rank of one
     document spanning the row (the first runs GDN's pre-pass, the middle ones pass the state through, the last does
     neither); None is the busiest rank."""
-    family, widths = _family(text_config), layer_widths(text_config, cp, mamba_cp_style, rank)
+    family, widths = _family(text_config), layer_widths(text_config, cp, mamba_cp_style, rank, attention_cp)
     kinds = {k for pair in layer_kinds(text_config) for k in pair if k} | {"block", "model"}
     out = {}
     for kind in sorted(kinds):
@@ -719,6 +759,7 @@ def estimate_memory(
     lora_rank: int = 8,
     vision_parameters: int = 0,
     rank: int | None = None,
+    attention_cp: str = "auto",
 ) -> MemoryEstimate:
     """Memory per rank for one row of ``seq_len`` tokens over ``cp`` ranks (``T = seq_len / cp`` local tokens).
 
@@ -728,7 +769,8 @@ def estimate_memory(
     forward + backward of a ``dtype`` model: weights and gradients in ``dtype``, no optimizer (the benchmark
     setting). ``lora``: only adapters (``lora_targets``, default the trainer's, rank ``lora_rank``) get gradients
     and optimizer state; activations are counted as for full fine-tuning (an upper bound). ``rank``: the estimate
-    of that CP rank rather than the busiest (see :func:`activation_bytes_per_token`).
+    of that CP rank rather than the busiest (see :func:`activation_bytes_per_token`). ``attention_cp``: as
+    ``parallel.attention_cp`` ("auto", "ulysses", "kv_gather").
     """
     if seq_len % cp:
         raise ValueError(f"seq_len={seq_len} is not divisible by cp={cp}")
@@ -758,7 +800,7 @@ def estimate_memory(
     t = seq_len // cp
     if rank is not None and not 0 <= rank < cp:
         raise ValueError(f"rank={rank} is not a rank of cp={cp}")
-    per_token = activation_bytes_per_token(text_config, cp, elem, mamba_cp_style, rank)
+    per_token = activation_bytes_per_token(text_config, cp, elem, mamba_cp_style, rank, attention_cp)
     blocks = []  # (saved, transient) per decoder block, bytes per local token
     for mixer, ffn in layer_kinds(text_config):
         common, mix = per_token["block"], per_token[mixer]
@@ -838,16 +880,15 @@ def longest_seq_len(text_config, cp: int, capacity_gib: float, **memory: Any) ->
 # Validity of a cp for a model
 
 
-def valid_cp(text_config, cp: int, mamba_cp_style: str = "state_passing") -> str | None:
+def valid_cp(text_config, cp: int, mamba_cp_style: str = "state_passing", attention_cp: str = "auto") -> str | None:
     """None when the model's heads allow this cp, else the rule that forbids it (cp_core's message)."""
-    from cp_core import ContextParallelError, check_ulysses_heads
+    from cp_core import ContextParallelError
     from cp_core.head_parallel import check_head_parallel
 
     family = _family(text_config)
     types = text_config.layers_block_type if family == "nemotron_h" else text_config.layer_types
     try:
-        if "full_attention" in types:
-            check_ulysses_heads(text_config.num_attention_heads, text_config.num_key_value_heads, cp)
+        attention_strategy(text_config, cp, attention_cp)
         if family == "nemotron_h" and "linear_attention" in types and mamba_cp_style == "a2a":
             check_head_parallel(
                 text_config.mamba_num_heads, text_config.n_groups, cp, what="Mamba-2 head-parallel (a2a) CP"
@@ -920,7 +961,9 @@ _KIND_NAMES = {
 }
 
 
-def _layer_rows(text_config, seq_len: int, cp: int, style: str, elem: int, recompute: bool, per_token):
+def _layer_rows(
+    text_config, seq_len: int, cp: int, style: str, elem: int, recompute: bool, per_token, attention_cp: str = "auto"
+):
     family = _family(text_config)
     counts: dict[str, int] = {}
     kinds = layer_kinds(text_config)
@@ -932,8 +975,12 @@ def _layer_rows(text_config, seq_len: int, cp: int, style: str, elem: int, recom
         comm = "none"
         if kind == "attention":
             q, kv, d = text_config.num_attention_heads, text_config.num_key_value_heads, _head_dim(text_config)
-            per_layer = ulysses_attention_bytes(seq_len, cp, q, kv, d, elem, recompute=recompute)
-            strategy, comm = f"Ulysses all-to-all, KV heads x{max(1, cp // kv)}", "all_to_all"
+            if attention_strategy(text_config, cp, attention_cp) == "kv_gather":
+                per_layer = kv_gather_attention_bytes(seq_len, cp, kv, d, elem, recompute=recompute)
+                strategy, comm = "all-gather K|V of the row (uneven work)", "all_gather"
+            else:
+                per_layer = ulysses_attention_bytes(seq_len, cp, q, kv, d, elem, recompute=recompute)
+                strategy, comm = f"Ulysses all-to-all, KV heads x{max(1, cp // kv)}", "all_to_all"
         elif kind == "gdn":
             per_layer = gdn_bytes(text_config, seq_len, cp, elem, recompute=recompute)
             strategy, comm = "conv halo + delta-rule state passing", "state_passing"
@@ -974,6 +1021,7 @@ def build_plan(cfg, *, gpu_memory_gib: float | None = None, nvlink_gbps: float =
     family = model_family(text)
     style = cfg.parallel.resolve_cp_style(family)
     mamba_style = style if family == "nemotron_h" else "state_passing"
+    attention_cp = cfg.parallel.attention_cp
     dp, cp = world_layout(cfg)
     seq_len = cfg.data.seq_len
     dtype = cfg.model.dtype
@@ -994,6 +1042,7 @@ def build_plan(cfg, *, gpu_memory_gib: float | None = None, nvlink_gbps: float =
             lora_rank=lora.rank,
             mamba_cp_style=mamba_style,
             vision_parameters=vision,
+            attention_cp=attention_cp,
         )
 
     params = count_parameters(
@@ -1004,13 +1053,14 @@ def build_plan(cfg, *, gpu_memory_gib: float | None = None, nvlink_gbps: float =
         for name, flag in (("no_checkpointing", False), ("checkpointing", True))
     }
     chosen = memory["checkpointing" if ckpt else "no_checkpointing"]
-    rows = _layer_rows(text, seq_len, cp, mamba_style, elem, ckpt, chosen.per_token)
+    rows = _layer_rows(text, seq_len, cp, mamba_style, elem, ckpt, chosen.per_token, attention_cp)
     total = sum(r["bytes"] for r in rows)
-    shares = {kind: sum(r["bytes"] for r in rows if r["comm"] == kind) for kind in ("state_passing", "all_to_all")}
+    kinds = ("state_passing", "all_to_all", "all_gather")
+    shares = {kind: sum(r["bytes"] for r in rows if r["comm"] == kind) for kind in kinds}
 
     longest = {}
     for cp_ in sorted({*PLANNED_CPS, cp}):
-        reason = valid_cp(text, cp_, mamba_style)
+        reason = valid_cp(text, cp_, mamba_style, attention_cp)
         entry: dict[str, Any] = {"cp": cp_, "valid": reason is None}
         if reason is None:
             for name, flag in (("no_checkpointing", False), ("checkpointing", True)):
@@ -1021,7 +1071,9 @@ def build_plan(cfg, *, gpu_memory_gib: float | None = None, nvlink_gbps: float =
 
     problems = []
     if chosen.needed > gpu * GIB:
-        problems.append(_does_not_fit(text, cfg, dp, cp, gpu, chosen, memory_kwargs, longest, mamba_style))
+        problems.append(
+            _does_not_fit(text, cfg, dp, cp, gpu, chosen, memory_kwargs, longest, mamba_style, attention_cp)
+        )
     return {
         "model": {
             "source": _source(cfg),
@@ -1040,6 +1092,8 @@ def build_plan(cfg, *, gpu_memory_gib: float | None = None, nvlink_gbps: float =
             "local_tokens": seq_len // cp,
             "dtype": dtype,
             "cp_style": style,
+            "attention_cp": attention_cp,
+            "attention_strategy": attention_strategy(text, cp, attention_cp),
             "fsdp": cfg.parallel.fsdp,
             "fsdp_world": dp * cp if cfg.parallel.fsdp else 1,
             "activation_checkpointing": ckpt,
@@ -1052,8 +1106,10 @@ def build_plan(cfg, *, gpu_memory_gib: float | None = None, nvlink_gbps: float =
             "bytes_per_step": total * cfg.train.grad_accum * cfg.train.micro_batch_size,
             "state_passing_bytes": shares["state_passing"],
             "all_to_all_bytes": shares["all_to_all"],
+            "all_gather_bytes": shares["all_gather"],
             "state_passing_share": shares["state_passing"] / total if total else 0.0,
             "all_to_all_share": shares["all_to_all"] / total if total else 0.0,
+            "all_gather_share": shares["all_gather"] / total if total else 0.0,
             "nvlink_gbps": nvlink_gbps,
             "time_ms_per_row": total / (nvlink_gbps * 1e9) * 1e3,
             "recompute_included": ckpt,
@@ -1072,7 +1128,7 @@ def _source(cfg) -> str:
     return m.path or m.config or m.preset or "?"
 
 
-def _does_not_fit(text, cfg, dp, cp, gpu, chosen, memory_kwargs, longest, style) -> str:
+def _does_not_fit(text, cfg, dp, cp, gpu, chosen, memory_kwargs, longest, style, attention_cp) -> str:
     seq_len, ckpt = cfg.data.seq_len, cfg.model.activation_checkpointing
     fixes = []
     if not ckpt:
@@ -1080,7 +1136,7 @@ def _does_not_fit(text, cfg, dp, cp, gpu, chosen, memory_kwargs, longest, style)
         if with_ckpt.needed <= gpu * GIB:
             fixes.append(f"enable model.activation_checkpointing (then {with_ckpt.needed / GIB:.1f} GiB)")
     for cp_ in range(cp + 1, 257):
-        if seq_len % cp_ or seq_len < _min_seq_len(text, cp_, style) or valid_cp(text, cp_, style):
+        if seq_len % cp_ or seq_len < _min_seq_len(text, cp_, style) or valid_cp(text, cp_, style, attention_cp):
             continue
         m = estimate_memory(text, seq_len, cp_, **memory_kwargs(cp_, ckpt))
         if m.needed <= gpu * GIB:
@@ -1124,7 +1180,9 @@ def format_plan(plan: Mapping[str, Any]) -> str:
     layout = f"FSDP2 over {r['fsdp_world']} ranks" if r["fsdp"] else "full replica per rank"
     out.append(
         f"  data.seq_len={r['seq_len']}, parallel.cp={r['cp']} ({r['local_tokens']} tokens a rank), dp={r['dp']}, "
-        f"cp_style={r['cp_style']}, {layout}, activation checkpointing {'on' if r['activation_checkpointing'] else 'off'}"
+        f"cp_style={r['cp_style']}, attention_cp={r['attention_cp']}"
+        + (f" ({r['attention_strategy']})" if r["attention_strategy"] else "")
+        + f", {layout}, activation checkpointing {'on' if r['activation_checkpointing'] else 'off'}"
     )
     out.append("")
     out.append(
@@ -1143,7 +1201,8 @@ def format_plan(plan: Mapping[str, Any]) -> str:
     total = c["bytes_per_row"]
     out.append(
         f"  total per row: {_size(total)}; state passing {c['state_passing_share']:.1%}, all-to-all "
-        f"{c['all_to_all_share']:.1%}; per optimizer step ({r['grad_accum']} rows): {_size(c['bytes_per_step'])}"
+        f"{c['all_to_all_share']:.1%}, all-gather {c['all_gather_share']:.1%}; per optimizer step "
+        f"({r['grad_accum']} rows): {_size(c['bytes_per_step'])}"
     )
     out.append(
         f"  time at {c['nvlink_gbps']:.0f} GB/s NVLink: {c['time_ms_per_row']:.4g} ms per row (a lower bound: no "
