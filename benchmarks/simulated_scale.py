@@ -6,7 +6,8 @@
 Each point S:cp builds nothing new: the model (bf16, activation checkpointing unless --no-ckpt) gets the topology of
 rank cp // 2 (``--rank middle``; or the first or last) of a ``fake`` group of cp ranks (its collectives return at
 once with the right shapes and garbage data), then runs forward + backward of that rank's S / cp tokens of one document spanning the row (every rank
-passes recurrent state and conv halo; attention is Ulysses, so each rank computes S x heads / cp). A short row per
+passes recurrent state and conv halo; attention is Ulysses, so each rank computes S x heads / cp, or beyond the
+query heads all-gathered KV, ``--attention-cp``, where a rank's queries meet every earlier key of the document). A short row per
 cp compiles and autotunes first (most of fla's tuning keys exclude the length; its norms' do not). Measured at each point: the bytes this rank
 sends, under ``cp_core.testing.CommCounter`` during a first step at the exact shape (checkpointing's recomputed
 forward collectives included; its wall time is kept as first_step_s; ``--planned-bytes`` takes them from the
@@ -41,12 +42,12 @@ def simulated_rank(cp: int, which: str) -> int:
 
 
 @contextlib.contextmanager
-def _sharded(model, cp: int, rank: int):
+def _sharded(model, cp: int, rank: int, attention_cp: str = "auto"):
     """The model as ``rank`` of a fake group of cp ranks for the block (cp = 1: unsharded)."""
     from cp_models import set_context_parallel_attributes
 
     with fake_process_group(rank, cp) as group:
-        set_context_parallel_attributes(model, group, rank, cp)
+        set_context_parallel_attributes(model, group, rank, cp, attention_cp_style=attention_cp)
         yield
 
 
@@ -62,12 +63,17 @@ def run(args, on_row) -> list[dict]:
     for seq_len, cp in sorted(points, key=lambda p: (p[1], p[0])):
         rank = simulated_rank(cp, args.rank)
         row = dict(shape=args.shape, variant=variant, seq_len=seq_len, cp=cp, rank=rank, local_tokens=seq_len // cp)
+        if cp > 1:
+            from sft_trainer.plan import attention_strategy
+
+            with contextlib.suppress(Exception):  # a forced style the heads refuse: _sharded says why below
+                row["attention"] = attention_strategy(config, cp, args.attention_cp)
         if seq_len % cp:
             rows.append({**row, "status": "S % cp != 0"})
             continue
         with contextlib.ExitStack() as stack:
             try:
-                stack.enter_context(_sharded(model, cp, rank))
+                stack.enter_context(_sharded(model, cp, rank, args.attention_cp))
             except Exception as exc:  # the model's own CP validation (e.g. cp not dividing the attention heads)
                 rows.append({**row, "status": f"rejected: {exc}"})
                 on_row(rows)
@@ -113,7 +119,8 @@ def run(args, on_row) -> list[dict]:
                 row.update(memory_only=True, ms=None)
             elif result["status"] == "ok":
                 if args.planned_bytes:  # the planner's closed forms, tested equal to CommCounter's counts
-                    sent, collectives = planned_bytes_sent(config, seq_len, cp, not args.no_ckpt), None
+                    sent = planned_bytes_sent(config, seq_len, cp, not args.no_ckpt, args.attention_cp)
+                    collectives = None
                 else:
                     sent, collectives = counter.total_sent_bytes, len(counter.records)
                 row.update(
@@ -168,13 +175,13 @@ def _site(frames: list[dict]) -> str:
     return f"{frame['filename'].split('/')[-1]}:{frame['line']} {frame['name']}"
 
 
-def planned_bytes_sent(config, seq_len: int, cp: int, recompute: bool) -> int:
+def planned_bytes_sent(config, seq_len: int, cp: int, recompute: bool, attention_cp: str = "auto") -> int:
     """Bytes the busiest rank sends per step by ``sft_trainer.plan``'s closed forms (every layer kind, bf16): at
     cp >= 4 what rank cp // 2 sends; at cp = 2 rank 1 is the last rank and sends a little less (no halo forward)."""
     from sft_trainer import plan
 
-    per_token = plan.activation_bytes_per_token(config, cp)
-    rows = plan._layer_rows(config, seq_len, cp, "state_passing", 2, recompute, per_token)
+    per_token = plan.activation_bytes_per_token(config, cp, attention_cp=attention_cp)
+    rows = plan._layer_rows(config, seq_len, cp, "state_passing", 2, recompute, per_token, attention_cp)
     return int(sum(r["bytes"] for r in rows))
 
 
@@ -223,7 +230,8 @@ def write_table(rows: list[dict], args, device_name: str) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        head = f"| {r['seq_len']} | {r['cp']} | {r['local_tokens']} "
+        strategy = " (kv_gather)" if r.get("attention") == "kv_gather" else ""
+        head = f"| {r['seq_len']} | {r['cp']}{strategy} | {r['local_tokens']} "
         if r.get("status") != "ok":
             lines.append(head + f"| {r['status']} | | | | | | | |")
             continue
@@ -277,6 +285,8 @@ def main() -> None:
     parser.add_argument("--snapshot", type=int, default=0, metavar="ENTRIES",
                         help="CUDA: record the first step's allocations (this many trace entries) and keep the "
                         "blocks alive at its peak, by allocating site, in the row's peak_breakdown")  # fmt: skip
+    parser.add_argument("--attention-cp", choices=("auto", "ulysses", "kv_gather"), default="auto",
+                        help="softmax attention's CP strategy (auto: Ulysses where the heads allow, else all-gather KV)")  # fmt: skip
     parser.add_argument("--baseline", type=Path, default=None,
                         help="an earlier run's json whose cp = 1 rows give the ideal where this run has none")  # fmt: skip
     args = parser.parse_args()
