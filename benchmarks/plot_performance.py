@@ -5,7 +5,7 @@
 
 tokens: tokens/s vs row length per shape, ours and transformers, from docs/benchmarks/model_step.json (H200) and,
         for the 0.8B checkpointed line past 32k, the cp = 1 rows of simulated_scale_qwen3_5-0.8b.json.
-memory: per-rank peak vs cp for the 0.8B shape with checkpointing: measured points where recorded, the planner's
+memory: per-rank peak vs cp (1-64) for the 0.8B shape with checkpointing: measured points where recorded, the planner's
         estimate (sft_trainer.plan.estimate_memory, tested within 15 % of every recorded peak) and the ideal
         (cp = 1 activations / cp + weights and gradients).
 bytes:  bytes one rank sends per layer and row vs row length: state passing (GDN, Mamba-2) against the
@@ -96,7 +96,7 @@ def plot_memory(out: Path) -> Path:
         for r in json.loads((DOCS / "benchmarks/simulated_scale_qwen3_5-0.8b.json").read_text())["rows"]
         if r.get("status") == "ok" and r.get("peak_gib")
     ]
-    cps = [1, 2, 4, 8]
+    cps = [1, 2, 4, 8, 16, 32, 64]  # past 8 (the 0.8B's query heads) attention gathers K|V: planner only
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, seq_len in enumerate([131072, 262144, 1048576]):
         est = [estimate_memory(config, seq_len, cp, activation_checkpointing=True, optimizer=False) for cp in cps]
@@ -121,6 +121,8 @@ def plot_memory(out: Path) -> Path:
     ax.text(1, 142, "H200 (139.8 GiB)", fontsize=7, color="grey")
     ax.set_xscale("log", base=2)
     ax.set_xticks(cps, [str(c) for c in cps])
+    ax.axvspan(8, 64, color="grey", alpha=0.08)
+    ax.text(9, 122, "all-gathered KV\n(estimates only)", fontsize=7, color="grey")
     ax.set_xlabel("cp (ranks)")
     ax.set_ylabel("peak GiB per rank")
     ax.set_title("Qwen3.5-0.8B, activation checkpointing, bf16, no optimizer", fontsize=9)
