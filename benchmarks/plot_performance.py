@@ -99,7 +99,8 @@ def plot_memory(out: Path) -> Path:
     cps = [1, 2, 4, 8, 16, 32, 64]  # past 8 (the 0.8B's query heads) attention gathers K|V: planner only
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, seq_len in enumerate([131072, 262144, 1048576]):
-        est = [estimate_memory(config, seq_len, cp, activation_checkpointing=True, optimizer=False) for cp in cps]
+        kw = dict(activation_checkpointing=True, optimizer=False, attention_cp="auto")
+        est = [estimate_memory(config, seq_len, cp, **kw) for cp in cps]
         static = (est[0].parameters + est[0].gradients) / GIB
         ideal = [(est[0].total / GIB - static) / cp + static for cp in cps]
         color = f"C{i}"

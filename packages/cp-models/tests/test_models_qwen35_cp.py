@@ -406,14 +406,13 @@ def test_checkpointing_leaves_the_model_unchanged():
 # Setup validation: every rank raises the same ContextParallelError, none is left in a collective
 
 
-def _set_cp(topology: CPTopology, config_name: str, overrides: dict, attention_cp_style: str = "auto") -> str:
-    """set_context_parallel_attributes on a model with these overrides; on error, prove nothing was half-set.
-    Returns the attention layers' strategy."""
+def _set_cp(topology: CPTopology, config_name: str, overrides: dict, attention_cp_style: str | None = None) -> str:
+    """set_context_parallel_attributes on a model with these overrides (and the attention style, None: the
+    default); on error, prove nothing was half-set. Returns the attention layers' strategy."""
     model = build_model(config_name, **overrides)
+    style = {} if attention_cp_style is None else {"attention_cp_style": attention_cp_style}
     try:
-        set_context_parallel_attributes(
-            model, topology.group, topology.rank, topology.size, attention_cp_style=attention_cp_style
-        )
+        set_context_parallel_attributes(model, topology.group, topology.rank, topology.size, **style)
     except Exception:
         layers = [m for m in model.modules() if isinstance(m, ContextParallelModule)]
         assert layers and all(m.cp_topology.size == 1 for m in layers), "layers configured before the error"
@@ -461,15 +460,18 @@ def assert_every_rank_raises(workers: GlooWorkers, fn, *args, must_name: list[st
 
 
 @with_workers
-def test_heads_that_do_not_split_over_cp_are_rejected_under_forced_ulysses(workers):
+def test_heads_that_do_not_split_over_cp_are_rejected(workers):
     cp = workers.world_size
     # 6 query heads, 3 KV heads: cp=4 does not divide the query heads; cp=2 does, but 2 and 3 KV heads do not nest.
     overrides = {"num_attention_heads": 6, "num_key_value_heads": 3}
     must_name = ["q_heads=6", "cp=4"] if cp == 4 else ["kv_heads=3", "cp=2"]
-    assert_every_rank_raises(workers, _set_cp, "dense", overrides, "ulysses", must_name=[*must_name, "kv_gather"])
-    # "auto" (the default) takes all-gather KV for them; the default heads (4 query, 2 KV) split over both sizes.
-    assert workers.run(_set_cp, "dense", overrides, "auto", timeout_s=60) == ["kv_gather"] * cp
-    assert workers.run(_set_cp, "dense", {}, "ulysses", timeout_s=60) == ["ulysses"] * cp
+    for style in (None, "ulysses"):  # Ulysses is the default
+        assert_every_rank_raises(workers, _set_cp, "dense", overrides, style, must_name=[*must_name, "kv_gather"])
+    # All-gathered KV takes them, forced or picked by "auto"; the default heads (4 query, 2 KV) split over both sizes.
+    for style in ("auto", "kv_gather"):
+        assert workers.run(_set_cp, "dense", overrides, style, timeout_s=60) == ["kv_gather"] * cp
+    assert workers.run(_set_cp, "dense", {}, timeout_s=60) == ["ulysses"] * cp
+    assert workers.run(_set_cp, "dense", {}, "auto", timeout_s=60) == ["ulysses"] * cp
     assert_every_rank_raises(
         workers, _set_cp, "dense", {}, "ring", must_name=["unknown attention CP style 'ring'"]
     )  # fmt: skip

@@ -137,23 +137,23 @@ INVALID = [
     ),
     (
         "q_heads_not_divisible_by_cp",
-        ["--model.config", "{q6}", "--parallel.cp", "4", "--data.seq_len", "256", "--parallel.attention_cp", "ulysses"],
+        ["--model.config", "{q6}", "--parallel.cp", "4", "--data.seq_len", "256"],
         [
             "parallel.cp=4 with parallel.attention_cp='ulysses'",
             "num_attention_heads=6",
             "cp to divide the query heads",
             "choose cp in [1, 2, 3, 6]",
-            "or use attention CP style 'kv_gather', which takes any cp",
+            "or use attention CP style 'kv_gather' (or 'auto'), which takes any cp",
         ],
     ),
     (
         "kv_heads_incompatible_with_cp",
-        ["--model.config", "{kv3}", "--parallel.cp", "2", "--parallel.attention_cp", "ulysses"],
+        ["--model.config", "{kv3}", "--parallel.cp", "2"],
         ["parallel.cp=2", "num_key_value_heads=3", "cp | kv_heads or kv_heads | cp"],
     ),
     (
         "q_heads_from_checkpoint_folder",
-        ["--model.path", "{dir_q6}", "--parallel.cp", "4", "--parallel.attention_cp", "ulysses"],
+        ["--model.path", "{dir_q6}", "--parallel.cp", "4"],
         ["model.path=", "num_attention_heads=6", "cp=4"],
     ),
     (
@@ -389,11 +389,13 @@ rank = 4
     assert cfg.train.lora.enabled and cfg.train.lora.rank == 4 and cfg.train.lora.alpha == 16.0  # default kept
     assert cfg.train.grad_accum == 1 and cfg.logging.wandb.mode == "offline"  # untouched sections take defaults
     assert cfg.checkpoint_dir == tmp_path / "out" / "checkpoints"
-    # 6 query and 2 KV heads: cp=6 is fine, cp=4 is not for Ulysses (the message proposes the divisors) ...
-    with pytest.raises(ConfigError, match=r"choose cp in \[1, 2, 3, 6\]"):
-        load_config(str(toml), ["--parallel.cp", "4", "--parallel.attention_cp", "ulysses"])
-    # ... but is for all-gathered KV, which "auto" (the default) picks there
-    assert load_config(str(toml), ["--parallel.cp", "4"]).parallel.attention_cp == "auto"
+    # 6 query and 2 KV heads: cp=6 is fine, cp=4 is not for Ulysses, the default (the message proposes the divisors
+    # and the other strategy) ...
+    with pytest.raises(ConfigError, match=r"choose cp in \[1, 2, 3, 6\]; or use attention CP style 'kv_gather'"):
+        load_config(str(toml), ["--parallel.cp", "4"])
+    # ... but is for all-gathered KV, forced or picked by "auto"
+    for style in ("kv_gather", "auto"):
+        assert load_config(str(toml), ["--parallel.cp", "4", "--parallel.attention_cp", style]).parallel.cp == 4
     with pytest.raises(ConfigError, match=r"parallel\.attention_cp"):
         load_config(str(toml), ["--parallel.attention_cp", "ring"])
 

@@ -238,9 +238,11 @@ def test_attention_strategy_beyond_the_query_heads():
     """0.8B (8 query, 2 KV heads): Ulysses up to cp 8; beyond it "auto" gathers the keys and values, and the
     estimate holds the gathered row's k|v (2 Hkv D cp per local token) instead of the head-layout q, k, v."""
     config = shipped("qwen3_5-0.8b")
-    assert [plan.attention_strategy(config, cp) for cp in (1, 8, 16, 64)] == ["ulysses"] * 2 + ["kv_gather"] * 2
-    assert plan.valid_cp(config, 16) is None and plan.valid_cp(config, 64, attention_cp="kv_gather") is None
-    assert "cp=16, q_heads=8" in plan.valid_cp(config, 16, attention_cp="ulysses")
+    strategies = [plan.attention_strategy(config, cp, "auto") for cp in (1, 8, 16, 64)]
+    assert strategies == ["ulysses"] * 2 + ["kv_gather"] * 2
+    assert plan.valid_cp(config, 16, attention_cp="auto") is None
+    assert plan.valid_cp(config, 64, attention_cp="kv_gather") is None
+    assert "cp=16, q_heads=8" in plan.valid_cp(config, 16)  # Ulysses, the default
     for cp in (2, 16):
         ulysses = plan.layer_widths(config, cp, attention_cp="ulysses") if cp <= 8 else None
         gathered = plan.layer_widths(config, cp, attention_cp="kv_gather")
@@ -248,7 +250,8 @@ def test_attention_strategy_beyond_the_query_heads():
         if ulysses:
             assert ulysses["attn_gathered"] == (8 + 2 * max(2, cp)) * 256 and ulysses["attn_q_cp"] == 8 * 256
     nano = shipped("nemotron_h-nano-30b-a3b")
-    assert plan.attention_strategy(nano, 64) == "kv_gather" and plan.attention_strategy(shipped("qwen3_5-2b"), 8)
+    assert plan.attention_strategy(nano, 64, "auto") == "kv_gather"
+    assert plan.attention_strategy(nano, 32, "auto") == "ulysses"
 
 
 def test_kv_gather_keeps_the_gathered_row_alive_on_every_rank():
@@ -595,11 +598,12 @@ def test_cli_prints_the_table(capsys):
     assert re.search(r"full_attention \(gated softmax attention\)\s+1\s+Ulysses all-to-all, KV heads x1", out)
     assert re.search(r"mlp \(SwiGLU MLP\)\s+4\s+local", out)
     assert "Memory per rank (GiB)" in out and "Longest data.seq_len that fits" in out
-    assert "attention_cp=auto (ulysses)" in out
-    # 4 query heads: from cp 8 on "auto" gathers the keys and values; forced Ulysses cannot run there.
-    assert re.search(r"\n\s+8\s+\d+\s+\d+\n", out) and "not valid" not in out
-    out = run_plan(capsys, "--config", "tiny_cpu", "--parallel.attention_cp", "ulysses")
+    assert "attention_cp=ulysses (ulysses)" in out
+    # 4 query heads: Ulysses (the default) cannot run cp 8; "auto" gathers the keys and values there.
     assert "not valid: Ulysses attention needs cp to divide the query heads: cp=8, q_heads=4" in out
+    out = run_plan(capsys, "--config", "tiny_cpu", "--parallel.attention_cp", "auto")
+    assert "attention_cp=auto (ulysses)" in out
+    assert re.search(r"\n\s+8\s+\d+\s+\d+\n", out) and "not valid" not in out
 
 
 def test_cli_json_parses_and_agrees_with_the_closed_forms(capsys):
@@ -660,7 +664,7 @@ def test_nemotron_a2a_plan_names_the_replicated_groups(capsys):
     ("overrides", "parts"),
     [
         (
-            ["--parallel.cp", "3", "--data.seq_len", "258", "--parallel.attention_cp", "ulysses"],
+            ["--parallel.cp", "3", "--data.seq_len", "258"],
             [
                 "parallel.cp=3 with parallel.attention_cp='ulysses' vs the attention heads of model.preset='tiny-qwen3_5'",
                 "num_attention_heads=4",
@@ -701,17 +705,25 @@ def test_does_not_fit_suggests_checkpointing_and_a_shorter_row(capsys):
     need = plan.estimate_memory(config, 1048576, 2, activation_checkpointing=False, **kw).needed / GIB
     ckpt = plan.estimate_memory(config, 1048576, 2, activation_checkpointing=True, **kw).needed / GIB
     longest = plan.longest_seq_len(config, 2, plan.H200_GIB, activation_checkpointing=False, **kw)
-    # Without checkpointing the first cp that fits is 32 (beyond the 8 query heads: all-gathered KV).
-    wider = {
-        cp: plan.estimate_memory(config, 1048576, cp, activation_checkpointing=False, fsdp_world=cp).needed / GIB
-        for cp in (16, 32)
-    }
-    assert ckpt < plan.H200_GIB < need and wider[32] <= plan.H200_GIB < wider[16]
+    assert ckpt < plan.H200_GIB < need
     assert message == (
         f"sft-train plan: data.seq_len=1048576 at parallel.cp=2 does not fit: needs {need:.1f} GiB per rank, the "
-        f"GPU has {plan.H200_GIB:.1f} GiB; enable model.activation_checkpointing (then {ckpt:.1f} GiB) / raise "
-        f"parallel.cp to 32 (then {wider[32]:.1f} GiB) / lower data.seq_len to {longest}"
+        f"GPU has {plan.H200_GIB:.1f} GiB; enable model.activation_checkpointing (then {ckpt:.1f} GiB) / lower "
+        f"data.seq_len to {longest}"
     )
+    # With all-gathered KV allowed past the 8 query heads, the first cp that fits without checkpointing is 32.
+    message = _does_not_fit(
+        capsys, "--data.seq_len", "1048576", "--parallel.cp", "2", "--parallel.attention_cp", "auto"
+    )
+    wider = {
+        cp: plan.estimate_memory(
+            config, 1048576, cp, activation_checkpointing=False, fsdp_world=cp, attention_cp="auto"
+        ).needed
+        / GIB
+        for cp in (16, 32)
+    }
+    assert wider[32] <= plan.H200_GIB < wider[16]
+    assert f"/ raise parallel.cp to 32 (then {wider[32]:.1f} GiB) / lower data.seq_len to" in message
 
 
 def test_does_not_fit_suggests_a_larger_cp(capsys):
@@ -723,7 +735,7 @@ def test_does_not_fit_suggests_a_larger_cp(capsys):
         return plan.estimate_memory(config, 4000000, cp, **kw).needed / GIB
 
     # cp 3 does not divide the row, cp 4 is too small; cp 5 fits with all-gathered KV ("auto": 5 does not divide
-    # the 8 query heads), and under forced Ulysses the next valid cp, 8.
+    # the 8 query heads), and under Ulysses (the default) the next valid cp, 8.
     assert need(4) > plan.H200_GIB >= need(5)
     for attention_cp, cp in (("auto", 5), ("ulysses", 8)):
         message = _does_not_fit(capsys, *args, "--gpu-memory-gib", "139.8", "--parallel.attention_cp", attention_cp)

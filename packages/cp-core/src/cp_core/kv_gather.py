@@ -116,7 +116,9 @@ def resolve_attention_cp_style(style: str, num_q_heads: int, num_kv_heads: int, 
         check_ulysses_heads(num_q_heads, num_kv_heads, cp_size)
     except ContextParallelError as exc:
         if style == "ulysses":
-            raise ContextParallelError(f"{exc} (or use attention CP style 'kv_gather', which takes any cp)") from None
+            raise ContextParallelError(
+                f"{exc}; or use attention CP style 'kv_gather' (or 'auto'), which takes any cp"
+            ) from None
         return "kv_gather"
     return "ulysses"
 

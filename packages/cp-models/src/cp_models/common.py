@@ -79,13 +79,13 @@ def set_context_parallel_attributes(
     rank: int,
     world_size: int,
     *,
-    attention_cp_style: AttentionCPStyle = "auto",
+    attention_cp_style: AttentionCPStyle = "ulysses",
 ) -> CPTopology:
     """Set the CP topology on every token-mixing layer of ``model`` (through activation-checkpoint wrappers).
 
-    ``attention_cp_style`` picks how softmax attention splits: "ulysses" (all-to-all over heads; cp must divide the
-    query heads), "kv_gather" (all-gathered keys and values; any cp) or "auto" (Ulysses where its head rule holds,
-    else all-gather KV). Validates every layer for ``world_size`` first (head rules), so nothing is
+    ``attention_cp_style`` picks how softmax attention splits: "ulysses" (the default: all-to-all over heads, even
+    work; cp must divide the query heads), "kv_gather" (all-gathered keys and values; any cp; later ranks do more
+    of the causal work) or "auto" (Ulysses where its head rule holds, else all-gathered KV). Validates every layer for ``world_size`` first (head rules), so nothing is
     half-configured on error. Raises :class:`ContextParallelError` for a model containing token-mixing modules that
     have no CP implementation.
     """

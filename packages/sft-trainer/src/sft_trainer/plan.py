@@ -529,7 +529,7 @@ def _runs_prepass(cp: int, rank: int | None) -> bool:
     return cp > 1 and (rank is None or rank < cp - 1)
 
 
-def attention_strategy(text_config, cp: int, attention_cp: str = "auto") -> str | None:
+def attention_strategy(text_config, cp: int, attention_cp: str = "ulysses") -> str | None:
     """ "ulysses" or "kv_gather": how the model's softmax attention splits over ``cp`` under ``attention_cp``
     (cp_core.resolve_attention_cp_style; raises its error when forced Ulysses cannot); None without attention."""
     from cp_core import resolve_attention_cp_style
@@ -543,7 +543,7 @@ def attention_strategy(text_config, cp: int, attention_cp: str = "auto") -> str 
 
 
 def layer_widths(
-    text_config, cp: int, mamba_cp_style: str = "state_passing", rank: int | None = None, attention_cp: str = "auto"
+    text_config, cp: int, mamba_cp_style: str = "state_passing", rank: int | None = None, attention_cp: str = "ulysses"
 ) -> dict[str, float]:
     """Element counts per local token that :data:`ACTIVATION_COEFFICIENTS` multiplies (see its comment), for CP
     rank ``rank`` of one document spanning the row (None: the busiest rank)."""
@@ -647,7 +647,7 @@ def activation_bytes_per_token(
     elem: int = 2,
     mamba_cp_style: str = "state_passing",
     rank: int | None = None,
-    attention_cp: str = "auto",
+    attention_cp: str = "ulysses",
 ) -> dict[str, dict[str, float]]:
     """Bytes per local token, per layer part kind: ``{"gdn": {"saved": ..., "transient": ...}, ...}``, plus
     ``"block"`` (the norms around each layer) and ``"model"`` (once per model). ``rank``: a CP rank of one
@@ -759,7 +759,7 @@ def estimate_memory(
     lora_rank: int = 8,
     vision_parameters: int = 0,
     rank: int | None = None,
-    attention_cp: str = "auto",
+    attention_cp: str = "ulysses",
 ) -> MemoryEstimate:
     """Memory per rank for one row of ``seq_len`` tokens over ``cp`` ranks (``T = seq_len / cp`` local tokens).
 
@@ -770,7 +770,7 @@ def estimate_memory(
     setting). ``lora``: only adapters (``lora_targets``, default the trainer's, rank ``lora_rank``) get gradients
     and optimizer state; activations are counted as for full fine-tuning (an upper bound). ``rank``: the estimate
     of that CP rank rather than the busiest (see :func:`activation_bytes_per_token`). ``attention_cp``: as
-    ``parallel.attention_cp`` ("auto", "ulysses", "kv_gather").
+    ``parallel.attention_cp`` ("ulysses", the default, "kv_gather" or "auto").
     """
     if seq_len % cp:
         raise ValueError(f"seq_len={seq_len} is not divisible by cp={cp}")
@@ -880,7 +880,7 @@ def longest_seq_len(text_config, cp: int, capacity_gib: float, **memory: Any) ->
 # Validity of a cp for a model
 
 
-def valid_cp(text_config, cp: int, mamba_cp_style: str = "state_passing", attention_cp: str = "auto") -> str | None:
+def valid_cp(text_config, cp: int, mamba_cp_style: str = "state_passing", attention_cp: str = "ulysses") -> str | None:
     """None when the model's heads allow this cp, else the rule that forbids it (cp_core's message)."""
     from cp_core import ContextParallelError
     from cp_core.head_parallel import check_head_parallel
@@ -962,7 +962,7 @@ _KIND_NAMES = {
 
 
 def _layer_rows(
-    text_config, seq_len: int, cp: int, style: str, elem: int, recompute: bool, per_token, attention_cp: str = "auto"
+    text_config, seq_len: int, cp: int, style: str, elem: int, recompute: bool, per_token, attention_cp: str = "ulysses"
 ):
     family = _family(text_config)
     counts: dict[str, int] = {}
