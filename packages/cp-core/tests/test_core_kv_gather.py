@@ -171,6 +171,34 @@ def test_without_cp_both_strategies_are_plain_varlen_attention():
         kv_gather_attention(q, k, v, meta, CPTopology.single(), sliding_window=0)
 
 
+@pytest.mark.parametrize("rank", [0, 3])
+def test_gather_kv_backward_holds_one_row_sized_gradient(rank):
+    """Forward + backward of the gather on rank ``rank`` of a fake group of 4, bf16, MemTracker's peak of the bytes
+    made inside: the gathered row and one zeroed row gradient (2 units of ``S 2 Hkv D``) plus the local shards'
+    concatenation and reduce-scatter output (1/4 unit). Slicing a gathered tensor under autograd held 4 units (a
+    zero-filled row-sized gradient per slice)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from cp_core import gather_kv
+    from cp_core.testing import fake_process_group
+
+    seq_len, cp, heads, dim = 4096, 4, 2, 32
+    unit = seq_len * 2 * heads * dim * 2
+    with fake_process_group(rank, cp) as group:
+        topology = CPTopology.from_group(group)
+        start, end = key_range(build_packed_metadata([seq_len], rank, cp))
+        k, v = (randn(seq_len // cp, heads, dim, seed=s).bfloat16().requires_grad_() for s in (0, 1))
+        grad_k, grad_v = (randn(end - start, heads, dim, seed=s).bfloat16() for s in (2, 3))
+        tracker = MemTracker()
+        with tracker:
+            keys, values = gather_kv(k, v, topology, start, end)
+            torch.autograd.backward([keys, values], [grad_k, grad_v])
+        peak = sum(device["Total"] for device in tracker.get_tracker_snapshot("peak").values())
+    assert keys.shape == values.shape == (end - start, heads, dim)
+    assert k.grad.shape == v.grad.shape == k.shape
+    assert peak <= 2.3 * unit, peak / unit
+
+
 # --------------------------------------------------------------------------------------------------------
 # Worker-side helpers (module level: the workers import them by name)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 
 from cp_core.attention import AttentionBackend, check_attention_shard, varlen_causal_attention
 from cp_core.errors import ContextParallelError
@@ -32,16 +33,49 @@ from cp_core.topology import CPTopology
 from cp_core.ulysses import check_ulysses_heads, ulysses_attention
 
 
-def gather_kv(k: torch.Tensor, v: torch.Tensor, topology: CPTopology) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole row's keys and values from every rank's ``[S / cp, Hkv, D]`` shards (one collective when they
-    share head dim and dtype); backward sums every rank's gradient into each shard (a reduce-scatter)."""
+class _GatherKeysValues(torch.autograd.Function):
+    """All-gather the row's ``k|v`` and return the keys ``[start, end)`` as views of the one gathered buffer.
+
+    Backward writes both gradients into one zeroed ``[S, 2 Hkv, D]`` row buffer and reduce-scatters it: one
+    row-sized temporary, where slicing a gathered tensor under autograd would zero-fill a row-sized gradient per
+    slice (twice the gathered bytes on top; measured on CPU in tests/test_core_kv_gather.py)."""
+
+    @staticmethod
+    def forward(ctx, k: torch.Tensor, v: torch.Tensor, topology: CPTopology, start: int, end: int):
+        ctx.topology, ctx.start, ctx.end, ctx.kv_heads, ctx.local_len = topology, start, end, k.size(1), k.size(0)
+        local = torch.cat([k, v], dim=1)
+        row = local.new_empty((topology.size * local.size(0), *local.shape[1:]))
+        dist.all_gather_into_tensor(row, local, group=topology.group)
+        keys = row[start:end]
+        return keys[:, : ctx.kv_heads], keys[:, ctx.kv_heads :]
+
+    @staticmethod
+    def backward(ctx, grad_k: torch.Tensor | None, grad_v: torch.Tensor | None):
+        topology: CPTopology = ctx.topology
+        like = grad_k if grad_k is not None else grad_v
+        heads = ctx.kv_heads
+        row = like.new_zeros((topology.size * ctx.local_len, 2 * heads, like.size(2)))
+        if grad_k is not None:
+            row[ctx.start : ctx.end, :heads] = grad_k
+        if grad_v is not None:
+            row[ctx.start : ctx.end, heads:] = grad_v
+        local = row.new_empty((ctx.local_len, *row.shape[1:]))
+        dist.reduce_scatter_tensor(local, row, op=dist.ReduceOp.SUM, group=topology.group)
+        return local[:, :heads], local[:, heads:], None, None, None
+
+
+def gather_kv(
+    k: torch.Tensor, v: torch.Tensor, topology: CPTopology, start: int = 0, end: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[start, end)`` of the whole row (default: all of it) from every rank's ``[S / cp, Hkv, D]``
+    shards: one all-gather when they share head dim and dtype; backward sums every rank's gradient into each shard
+    (a reduce-scatter)."""
+    end = topology.size * k.size(0) if end is None else end
     if k.size(2) == v.size(2) and k.dtype == v.dtype:
-        both = gather_sequence(torch.cat([k, v], dim=1), topology, dim=0, backward="sum")
-        return both[:, : k.size(1)], both[:, k.size(1) :]
-    return (
-        gather_sequence(k, topology, dim=0, backward="sum"),
-        gather_sequence(v, topology, dim=0, backward="sum"),
-    )
+        return _GatherKeysValues.apply(k, v, topology, start, end)
+    full_k = gather_sequence(k, topology, dim=0, backward="sum")
+    full_v = gather_sequence(v, topology, dim=0, backward="sum")
+    return full_k[start:end], full_v[start:end]
 
 
 def key_range(metadata: PackedRowMetadata, sliding_window: int | None = None) -> tuple[int, int]:
@@ -78,15 +112,15 @@ def kv_gather_attention(
             q, k, v, metadata.cu_seqlens, metadata.max_seqlen, scale=scale, sliding_window=sliding_window,
             backend=backend,
         )  # fmt: skip
-    full_k, full_v = gather_kv(k, v, topology)
     start, end = key_range(metadata, sliding_window)
+    keys, values = gather_kv(k, v, topology, start, end)
     before = metadata.shard_start - start  # keys of the first local document that other ranks hold
     cu_q = metadata.local_cu_seqlens
     cu_k = cu_q + torch.cat([cu_q.new_zeros(1), cu_q.new_full((cu_q.numel() - 1,), before)])
     return varlen_causal_attention(
         q,
-        full_k[start:end],
-        full_v[start:end],
+        keys,
+        values,
         cu_q,
         metadata.local_max_seqlen,
         scale=scale,
