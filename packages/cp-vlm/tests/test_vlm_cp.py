@@ -47,11 +47,23 @@ def build_model(config_kwargs: dict, state: dict, vision_cp: str, checkpointing:
     return model
 
 
-def run_rank(topology: CPTopology, config_kwargs, state, row, vision_cp, checkpointing, seed, dtype=torch.float32):
+def run_rank(
+    topology: CPTopology,
+    config_kwargs,
+    state,
+    row,
+    vision_cp,
+    checkpointing,
+    seed,
+    dtype=torch.float32,
+    attention_cp_style="ulysses",
+):
     model = build_model(config_kwargs, state, vision_cp, checkpointing, dtype)
     row = dict(row, pixel_values=None if row["pixel_values"] is None else row["pixel_values"].to(dtype))
     group = dist.group.WORLD if topology.enabled else None
-    set_context_parallel_attributes(model, group, topology.rank, topology.size)
+    set_context_parallel_attributes(
+        model, group, topology.rank, topology.size, attention_cp_style=attention_cp_style
+    )  # fmt: skip
     ids = row["input_ids"]
     gen = torch.Generator().manual_seed(seed)
     labels = torch.randint(0, VOCAB, ids.shape, generator=gen)
@@ -157,6 +169,19 @@ def test_cp_matches_unsharded(workers, weights, row_name, vision_cp, dtype, chec
     if row["image_grid_thw"] is None:
         for r in results:  # text-only row: zero vision gradients everywhere, and no image was encoded
             assert all(torch.count_nonzero(r["grads"][n.removeprefix("grad.")]) == 0 for n in vision)
+
+
+def test_kv_gather_attention_matches_unsharded(workers, weights):
+    """Text attention by all-gathered keys and values (MRoPE positions, the image spanning three shards at cp 4),
+    fp64: the same outputs and gradients as the unsharded model."""
+    row = {k: v for k, v in pad_row(build_row(ROWS["one_big_image"], seed=3), 4).items() if k != "docs"}
+    args = ({"moe": False}, weights[False], row, "shard", False, 1, torch.float64)
+    reference = run_rank(CPTopology.single(), *args)
+    errors = compare(workers.run(run_rank, *args, "kv_gather"), reference)
+    out_tol, grad_tol = TOLERANCES[torch.float64]
+    bad = {n: e for n, e in errors.items() if not e <= (grad_tol if n.startswith("grad.") else out_tol)}
+    assert not bad, bad
+    assert any("self_attn" in n for n in errors)
 
 
 def test_shard_and_replicate_agree(workers, weights):
