@@ -23,7 +23,7 @@ from cp_core import (
 from cp_core.attention import torch_varlen_attention
 from cp_core.kv_gather import key_range
 from cp_core.packing import PackedRowMetadata, cu_seqlens_from_lens
-from cp_core.testing import GlooWorkers, check_cp_parity, layout_cases, random_seq_lens
+from cp_core.testing import GlooWorkers, check_cp_parity, layout_cases, one_torch_thread, random_seq_lens
 
 TOTAL = 64
 HEAD_DIM = 8
@@ -32,10 +32,8 @@ HEAD_DIM = 8
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
     # The gloo workers share the 2 cores with this process; OpenMP spinning in here would starve them.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
 def randn(*shape: int, seed: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ from cp_core import (
     normalize_seq_lens,
     position_ids_from_seq_lens,
 )
-from cp_core.testing import layout_cases
+from cp_core.testing import layout_cases, one_torch_thread
 
 CP_SIZES = (1, 2, 3, 4, 8)
 
@@ -25,10 +25,8 @@ CP_SIZES = (1, 2, 3, 4, 8)
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
     # Tiny tensors: OpenMP fork-join in ops like repeat_interleave costs more than the work on a busy box.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
 TENSOR_FIELDS = ("cu_seqlens", "local_cu_seqlens", "local_doc_ids", "local_position_ids")

@@ -17,7 +17,7 @@ from cp_core.gated_delta import gated_delta_rule_cp
 from cp_core.packing import PackedRowMetadata
 from cp_core.ssd import ssd_cp
 from cp_core.state_passing import pass_states
-from cp_core.testing import GlooWorkers, RankFailure, check_cp_parity, layout_cases
+from cp_core.testing import GlooWorkers, RankFailure, check_cp_parity, layout_cases, one_torch_thread
 
 CP_SIZES = (2, 4)
 TOTAL = {2: 48, 4: 64}  # row length per CP size: 24 and 16 tokens a rank
@@ -27,10 +27,8 @@ CONV_WIDTH = 4
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
     # The gloo workers share the 2 cores with this process; OpenMP spinning in here would starve them.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from cp_core.gated_delta import (
 from cp_core.kernels import resolve_recurrent_backend
 from cp_core.ssd import chunk_ssd_torch, naive_recurrent_ssd, ssd, ssd_cp
 from cp_core.state_passing import pass_states
+from cp_core.testing import one_torch_thread
 
 # Documents of 1-3 tokens; one document longer than every chunk size below 64 and not a multiple of 4 or 8;
 # a mix with lengths that are and are not multiples of the chunk size; a document longer than 64.
@@ -38,10 +39,8 @@ CHUNK_SIZES = (4, 8, 64)
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
     # Small tensors: intra-op threads only contend (with each other and with concurrent test processes).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
 def randn(*shape: int, seed: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:

@@ -15,16 +15,14 @@ from cp_core import (
     shard_position_ids,
     shard_sequence,
 )
-from cp_core.testing import GlooWorkers
+from cp_core.testing import GlooWorkers, one_torch_thread
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
     # The gloo workers share the 2 cores with this process; OpenMP spinning in here would starve them.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -17,7 +17,15 @@ from transformers import NemotronHConfig
 
 from cp_core import ContextParallelError, CPTopology, PackedRowMetadata, build_packed_metadata
 from cp_core.head_parallel import check_head_parallel, local_groups, local_heads
-from cp_core.testing import CommCounter, GlooWorkers, RankFailure, check_cp_parity, layout_cases, random_seq_lens
+from cp_core.testing import (
+    CommCounter,
+    GlooWorkers,
+    RankFailure,
+    check_cp_parity,
+    layout_cases,
+    one_torch_thread,
+    random_seq_lens,
+)
 from cp_models import (
     ContextParallelAttention,
     ContextParallelModule,
@@ -160,10 +168,8 @@ SEQ_DIMS = {"input_ids": 0, "labels": 0}
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
     # The gloo workers share the 2 cores with this process; OpenMP spinning in here would starve them.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
 from cp_core import CPTopology, PackedRowMetadata
-from cp_core.testing import GlooWorkers, RankFailure, check_cp_parity, keep_float64_, layout_cases
+from cp_core.testing import GlooWorkers, RankFailure, check_cp_parity, keep_float64_, layout_cases, one_torch_thread
 from cp_models import (
     ContextParallelAttention,
     ContextParallelModule,
@@ -183,10 +183,8 @@ SEQ_DIMS = {"input_ids": 0, "labels": 0}
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
     # The gloo workers share the 2 cores with this process; OpenMP spinning in here would starve them.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -623,6 +623,18 @@ def _input_bytes(op: str, args: tuple) -> int:
 
 
 @contextlib.contextmanager
+def one_torch_thread():
+    """torch on one intra-op thread inside the block (restored after). For test modules whose gloo workers share
+    the machine's few cores, or whose tensors are so small that OpenMP's fork-join costs more than the work."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
 def fake_process_group(rank: int, world_size: int):
     """Make this process ``rank`` of a ``world_size``-rank ``fake`` process group for the ``with`` block.
 
