@@ -42,8 +42,8 @@ def measure_kv_gather(seq_len: int, cp: int, hq: int, hkv: int, dim: int, real: 
             if real:
                 out = kv_gather_attention(q, k, v, metadata, topology, backend="torch")
             else:  # the gather and its reduce-scatter, with a stand-in that reads every gathered row
-                full_k, full_v = gather_kv(k, v, topology)
-                out = q + (full_k + full_v).sum(0).repeat_interleave(hq // hkv, dim=0)
+                keys, values = gather_kv(k, v, topology)
+                out = q + (torch.cat(keys, 1) + torch.cat(values, 1)).sum(0).repeat_interleave(hq // hkv, dim=0)
             out.backward(torch.zeros_like(out))
         return counter.total_sent_bytes, len(counter.records)
 

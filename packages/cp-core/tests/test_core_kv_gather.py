@@ -174,7 +174,7 @@ def test_gather_kv_backward_holds_one_row_sized_gradient(rank):
     """Forward + backward of the gather on rank ``rank`` of a fake group of 4, bf16, MemTracker's peak of the bytes
     made inside: the gathered row and one zeroed row gradient (2 units of ``S 2 Hkv D``) plus the local shards'
     concatenation and reduce-scatter output (1/4 unit). Slicing a gathered tensor under autograd held 4 units (a
-    zero-filled row-sized gradient per slice)."""
+    zero-filled row-sized gradient per slice). One KV head's values get no gradient (its output unused)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from cp_core import gather_kv
@@ -186,13 +186,14 @@ def test_gather_kv_backward_holds_one_row_sized_gradient(rank):
         topology = CPTopology.from_group(group)
         start, end = key_range(build_packed_metadata([seq_len], rank, cp))
         k, v = (randn(seq_len // cp, heads, dim, seed=s).bfloat16().requires_grad_() for s in (0, 1))
-        grad_k, grad_v = (randn(end - start, heads, dim, seed=s).bfloat16() for s in (2, 3))
+        grads = [randn(end - start, 1, dim, seed=s).bfloat16() for s in range(2 * heads - 1)]
         tracker = MemTracker()
         with tracker:
             keys, values = gather_kv(k, v, topology, start, end)
-            torch.autograd.backward([keys, values], [grad_k, grad_v])
+            torch.autograd.backward([*keys, *values[:-1]], grads)
         peak = sum(device["Total"] for device in tracker.get_tracker_snapshot("peak").values())
-    assert keys.shape == values.shape == (end - start, heads, dim)
+    assert len(keys) == len(values) == heads
+    assert all(t.shape == (end - start, 1, dim) for t in keys + values)
     assert k.grad.shape == v.grad.shape == k.shape
     assert peak <= 2.3 * unit, peak / unit
 

@@ -14,6 +14,7 @@ Against Ulysses (:mod:`cp_core.ulysses`), which needs cp to divide the query hea
   ``(2 Hq + 2 max(Hkv, cp)) D S / cp`` elements each way: fewer bytes while ``Hkv cp < Hq + max(Hkv, cp)``
   (grouped-query models at small cp), more beyond;
 - the gathered keys of a rank's first document (up to the whole row on the last rank) stay alive for backward;
+  attention runs one query head per call, so no kernel expands the key gradients to the query heads;
 - the work is uneven: with one document over the row, rank ``r`` computes ``(r + 1/2) (S / cp)^2`` scores, the
   last rank ``2 - 1/cp`` times the mean (Ulysses splits the work evenly by heads).
 """
@@ -34,48 +35,50 @@ from cp_core.ulysses import check_ulysses_heads, ulysses_attention
 
 
 class _GatherKeysValues(torch.autograd.Function):
-    """All-gather the row's ``k|v`` and return the keys ``[start, end)`` as views of the one gathered buffer.
+    """All-gather the row's ``k|v`` and return the keys ``[start, end)`` of each KV head as its own output, a
+    ``[end - start, 1, D]`` view of the one gathered buffer (k heads, then v heads).
 
-    Backward writes both gradients into one zeroed ``[S, 2 Hkv, D]`` row buffer and reduce-scatters it: one
-    row-sized temporary, where slicing a gathered tensor under autograd would zero-fill a row-sized gradient per
-    slice (twice the gathered bytes on top; measured on CPU in tests/test_core_kv_gather.py)."""
+    Separate outputs get their gradients separately (no row-sized zero-filled gradient per slice, as slicing under
+    autograd would make); backward writes them all into one zeroed ``[S, 2 Hkv, D]`` buffer and reduce-scatters it."""
 
     @staticmethod
     def forward(ctx, k: torch.Tensor, v: torch.Tensor, topology: CPTopology, start: int, end: int):
-        ctx.topology, ctx.start, ctx.end, ctx.kv_heads, ctx.local_len = topology, start, end, k.size(1), k.size(0)
+        ctx.topology, ctx.start, ctx.end, ctx.local_len = topology, start, end, k.size(0)
+        ctx.set_materialize_grads(False)  # an unused head's gradient stays None rather than a zero tensor
         local = torch.cat([k, v], dim=1)
         row = local.new_empty((topology.size * local.size(0), *local.shape[1:]))
         dist.all_gather_into_tensor(row, local, group=topology.group)
         keys = row[start:end]
-        return keys[:, : ctx.kv_heads], keys[:, ctx.kv_heads :]
+        return tuple(keys[:, i : i + 1] for i in range(keys.size(1)))
 
     @staticmethod
-    def backward(ctx, grad_k: torch.Tensor | None, grad_v: torch.Tensor | None):
+    def backward(ctx, *grads: torch.Tensor | None):
         topology: CPTopology = ctx.topology
-        like = grad_k if grad_k is not None else grad_v
-        heads = ctx.kv_heads
-        row = like.new_zeros((topology.size * ctx.local_len, 2 * heads, like.size(2)))
-        if grad_k is not None:
-            row[ctx.start : ctx.end, :heads] = grad_k
-        if grad_v is not None:
-            row[ctx.start : ctx.end, heads:] = grad_v
+        like = next(g for g in grads if g is not None)
+        row = like.new_zeros((topology.size * ctx.local_len, len(grads), like.size(2)))
+        for i, grad in enumerate(grads):
+            if grad is not None:
+                row[ctx.start : ctx.end, i : i + 1] = grad
         local = row.new_empty((ctx.local_len, *row.shape[1:]))
         dist.reduce_scatter_tensor(local, row, op=dist.ReduceOp.SUM, group=topology.group)
+        heads = len(grads) // 2
         return local[:, :heads], local[:, heads:], None, None, None
 
 
 def gather_kv(
     k: torch.Tensor, v: torch.Tensor, topology: CPTopology, start: int = 0, end: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values ``[start, end)`` of the whole row (default: all of it) from every rank's ``[S / cp, Hkv, D]``
-    shards: one all-gather when they share head dim and dtype; backward sums every rank's gradient into each shard
-    (a reduce-scatter)."""
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Keys and values ``[start, end)`` of the whole row (default: all of it), one ``[end - start, 1, D]`` tensor per
+    KV head, from every rank's ``[S / cp, Hkv, D]`` shards: one all-gather when they share head dim and dtype;
+    backward sums every rank's gradient into each shard (a reduce-scatter)."""
     end = topology.size * k.size(0) if end is None else end
+    heads = k.size(1)
     if k.size(2) == v.size(2) and k.dtype == v.dtype:
-        return _GatherKeysValues.apply(k, v, topology, start, end)
-    full_k = gather_sequence(k, topology, dim=0, backward="sum")
-    full_v = gather_sequence(v, topology, dim=0, backward="sum")
-    return full_k[start:end], full_v[start:end]
+        both = _GatherKeysValues.apply(k, v, topology, start, end)
+        return list(both[:heads]), list(both[heads:])
+    full_k = gather_sequence(k, topology, dim=0, backward="sum")[start:end]
+    full_v = gather_sequence(v, topology, dim=0, backward="sum")[start:end]
+    return [full_k[:, i : i + 1] for i in range(heads)], [full_v[:, i : i + 1] for i in range(heads)]
 
 
 def key_range(metadata: PackedRowMetadata, sliding_window: int | None = None) -> tuple[int, int]:
@@ -117,18 +120,26 @@ def kv_gather_attention(
     before = metadata.shard_start - start  # keys of the first local document that other ranks hold
     cu_q = metadata.local_cu_seqlens
     cu_k = cu_q + torch.cat([cu_q.new_zeros(1), cu_q.new_full((cu_q.numel() - 1,), before)])
-    return varlen_causal_attention(
-        q,
-        keys,
-        values,
-        cu_q,
-        metadata.local_max_seqlen,
-        scale=scale,
-        sliding_window=sliding_window,
-        backend=backend,
-        cu_seqlens_k=cu_k,
-        max_seqlen_k=max(metadata.local_max_seqlen, metadata.local_seq_lens[0] + before),
-    )
+    max_k = max(metadata.local_max_seqlen, metadata.local_seq_lens[0] + before)
+    # One call per query head against its KV head: flash-attn 2's backward under grouped-query attention would
+    # write dk and dv for every query head over the whole key range ([keys, Hq, D] each) before summing them.
+    group = q.size(1) // k.size(1)
+    outputs = [
+        varlen_causal_attention(
+            q[:, head : head + 1],
+            keys[head // group],
+            values[head // group],
+            cu_q,
+            metadata.local_max_seqlen,
+            scale=scale,
+            sliding_window=sliding_window,
+            backend=backend,
+            cu_seqlens_k=cu_k,
+            max_seqlen_k=max_k,
+        )
+        for head in range(q.size(1))
+    ]
+    return torch.cat(outputs, dim=1)
 
 
 AttentionCPStyle = Literal["auto", "ulysses", "kv_gather"]

@@ -559,7 +559,9 @@ def layer_widths(
             attn_q=hq * d,
             attn_kv=hkv * d,
             # all-gather KV: the local q and the gathered row's k|v buffer (cp T tokens; the attention keeps views
-            # of it alive on every rank); its output is already in the local layout (no exchange back).
+            # of it alive on every rank); its output is already in the local layout (no exchange back). Backward:
+            # the key gradients summed per KV head and the gather's one row buffer, within "attn_gathered" 3 (one
+            # query head per kernel call, so flash-attn 2 never expands dk/dv to [keys, Hq, D]).
             attn_gathered=(hq + 2 * hkv * cp) * d if gathered else (hq + 2 * max(hkv, cp)) * d,
             attn_q_cp=hq * d if cp > 1 and not gathered else 0,
             q_heads=hq,
