@@ -118,7 +118,7 @@ def kv_gather_attention(
     start, end = key_range(metadata, sliding_window)
     keys, values = gather_kv(k, v, topology, start, end)
     before = metadata.shard_start - start  # keys of the first local document that other ranks hold
-    cu_q = metadata.local_cu_seqlens
+    cu_q = metadata.local_cu_seqlens.to(device=q.device, dtype=torch.int32)  # once, not once per head
     cu_k = cu_q + torch.cat([cu_q.new_zeros(1), cu_q.new_full((cu_q.numel() - 1,), before)])
     max_k = max(metadata.local_max_seqlen, metadata.local_seq_lens[0] + before)
     # One call per query head against its KV head: flash-attn 2's backward under grouped-query attention would
