@@ -31,6 +31,7 @@ import torch
 from model_step import SHAPES, build, free, load_shape, timed_steps
 
 from cp_core.testing import CommCounter, fake_process_group
+from cp_models import ContextParallelAttention
 
 NVLINK_GBPS = 450.0  # H200 NVLink 4, per direction, GB/s (1e9 bytes)
 
@@ -63,11 +64,6 @@ def run(args, on_row) -> list[dict]:
     for seq_len, cp in sorted(points, key=lambda p: (p[1], p[0])):
         rank = simulated_rank(cp, args.rank)
         row = dict(shape=args.shape, variant=variant, seq_len=seq_len, cp=cp, rank=rank, local_tokens=seq_len // cp)
-        if cp > 1:
-            from sft_trainer.plan import attention_strategy
-
-            with contextlib.suppress(Exception):  # a forced style the heads refuse: _sharded says why below
-                row["attention"] = attention_strategy(config, cp, args.attention_cp)
         if seq_len % cp:
             rows.append({**row, "status": "S % cp != 0"})
             continue
@@ -78,6 +74,10 @@ def run(args, on_row) -> list[dict]:
                 rows.append({**row, "status": f"rejected: {exc}"})
                 on_row(rows)
                 continue
+            if cp > 1:  # the strategy the model's attention layers resolved to
+                row["attention"] = next(
+                    (m.attention_cp_style for m in model.modules() if isinstance(m, ContextParallelAttention)), None
+                )
             generator = torch.Generator().manual_seed(0)
             if cp not in warmed:  # compile + autotune on a short row (most of fla's tuning keys exclude the length)
                 short = max(args.warmup_tokens, cp) // cp * cp

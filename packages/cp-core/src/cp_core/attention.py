@@ -89,7 +89,7 @@ def _check_inputs(
         raise ContextParallelError(
             f"q, k, v must be [tokens, heads, head_dim]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    same_tokens = q.size(0) == k.size(0) if cu_seqlens_k is None else True
+    same_tokens = cu_seqlens_k is not None or q.size(0) == k.size(0)
     if not (same_tokens and k.size(0) == v.size(0)) or k.size(1) != v.size(1) or q.size(2) != k.size(2):
         raise ContextParallelError(
             f"mismatched q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: tokens must agree (k and v "

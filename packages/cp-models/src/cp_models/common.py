@@ -85,9 +85,10 @@ def set_context_parallel_attributes(
 
     ``attention_cp_style`` picks how softmax attention splits: "ulysses" (the default: all-to-all over heads, even
     work; cp must divide the query heads), "kv_gather" (all-gathered keys and values; any cp; later ranks do more
-    of the causal work) or "auto" (Ulysses where its head rule holds, else all-gathered KV). Validates every layer for ``world_size`` first (head rules), so nothing is
-    half-configured on error. Raises :class:`ContextParallelError` for a model containing token-mixing modules that
-    have no CP implementation.
+    of the causal work) or "auto" (Ulysses where its head rule holds, else all-gathered KV).
+
+    Validates every layer for ``world_size`` first (head rules), so nothing is half-configured on error. Raises
+    :class:`ContextParallelError` for a model containing token-mixing modules that have no CP implementation.
     """
     topology = CPTopology(group=group, rank=rank, size=world_size) if world_size > 1 else CPTopology.single()
     cp_layers = [m for m in model.modules() if isinstance(m, ContextParallelModule)]

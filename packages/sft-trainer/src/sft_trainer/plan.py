@@ -530,7 +530,7 @@ def _runs_prepass(cp: int, rank: int | None) -> bool:
 
 
 def attention_strategy(text_config, cp: int, attention_cp: str = "ulysses") -> str | None:
-    """ "ulysses" or "kv_gather": how the model's softmax attention splits over ``cp`` under ``attention_cp``
+    """How the model's softmax attention splits over ``cp`` under ``attention_cp``: "ulysses" or "kv_gather"
     (cp_core.resolve_attention_cp_style; raises its error when forced Ulysses cannot); None without attention."""
     from cp_core import resolve_attention_cp_style
 
