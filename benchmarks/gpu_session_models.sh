@@ -12,6 +12,7 @@
 #   bash benchmarks/gpu_session_models.sh tiled     # tiled loss + MoE combine: GPU tests, parts alone, 0.8B steps
 #   POINTS="262144:2 262144:4" bash benchmarks/gpu_session_models.sh scale-time  # peaks and compute time per cp
 #   bash benchmarks/gpu_session_models.sh peaks     # allocation sites at the 256k / cp 4 peak; rank 0 at cp 2, 4
+#   bash benchmarks/gpu_session_models.sh kvgather  # all-gathered-KV attention: GPU tests, layer time, 0.8B at cp 16 / 64
 # Logs and tables land under $OUT. Compilation and autotuning of fla's kernels cost minutes per fresh machine (the
 # first step of a new process: ~175 s for a Qwen3.5 model; a lone Mamba layer did not finish in 150 s), so every part
 # leaves the Triton cache (compiled kernels and fla's autotuning results) in $OUT/triton-cache.tgz; copy it to
@@ -93,6 +94,17 @@ case "${1:-tests}" in
       --memory-only --warmup-tokens 4096 --snapshot 500000 --points 131072:2 262144:4 2>&1 | tee "$OUT/peaks/log.txt" | grep -E "^\|"
     timeout 250 python3 benchmarks/simulated_scale.py --out "$OUT/first" --shape qwen3_5-0.8b --limit-s 150 \
       --memory-only --warmup-tokens 4096 --rank first --points 262144:2 262144:4 2>&1 | tee "$OUT/first/log.txt" | grep -E "^\|"
+    ;;
+  kvgather)  # cp-core's GPU attention tests (bottom-right alignment); one layer's time per rank; 0.8B past cp 8
+    versions | tee "$OUT/device.txt"
+    mkdir -p "$OUT/kv"
+    timeout 120 python3 -m pytest -q -p no:cacheprovider packages/cp-core/tests/test_core_attention_gpu.py 2>&1 \
+      | tee "$OUT/kv/attention_gpu_tests.log" | tail -3
+    timeout 150 python3 benchmarks/attention_cp_time.py --out "$OUT/kv/attention_cp_time.md" --reps 1 \
+      --seq-lens 131072 524288 --cps 8 16 64 2>&1 | tee "$OUT/kv/attention_time.log" | grep -E "^\|"
+    timeout "${SCALE_S:-300}" python3 benchmarks/simulated_scale.py --out "$OUT/kv" --shape qwen3_5-0.8b --limit-s 150 \
+      --planned-bytes --warmup-tokens 4096 --baseline docs/benchmarks/simulated_scale_qwen3_5-0.8b.json \
+      --points ${POINTS:-524288:16 1048576:64 2097152:64 1048576:16} 2>&1 | tee "$OUT/kv/log.txt" | grep -E "^\||^\{"
     ;;
   large)
     mkdir -p "$OUT/large"

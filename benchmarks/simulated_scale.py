@@ -188,7 +188,9 @@ def planned_bytes_sent(config, seq_len: int, cp: int, recompute: bool, attention
 def _ideal(rows: list[dict], baseline: Path | None = None) -> None:
     """Ideal per-rank memory at cp = N from the cp = 1 run at the same S: activations / N + static. A cp = 1 row of
     this run comes first; else one from ``baseline`` (an earlier run's json of the same shape and variant), named in
-    the row's ``ideal_base``."""
+    the row's ``ideal_base``. Where no cp = 1 run exists at S (one GPU cannot hold it), the cp = 1 activations are
+    extrapolated linearly in S through the two longest cp = 1 runs (checkpointed activations and flash attention's
+    memory grow linearly in S), and ``ideal_base`` says so."""
 
     def ones(candidates: list[dict]) -> dict[int, dict]:
         return {r["seq_len"]: r for r in candidates if r["cp"] == 1 and r.get("status") == "ok" and r.get("peak_gib")}
@@ -198,14 +200,24 @@ def _ideal(rows: list[dict], baseline: Path | None = None) -> None:
     if baseline is not None:
         kept = json.loads(baseline.read_text())["rows"]
         earlier = ones([r for r in kept if r["shape"] == rows[0]["shape"] and r["variant"] == rows[0]["variant"]])
+    known = {**earlier, **base}
     for r in rows:
-        one = base.get(r["seq_len"]) or earlier.get(r["seq_len"])
-        if one is None or r.get("status") != "ok" or not r.get("peak_gib") or r["cp"] == 1:
+        if r.get("status") != "ok" or not r.get("peak_gib") or r["cp"] == 1:
             continue
         static = r["static_gib"]
-        r["ideal_gib"] = (one["peak_gib"] - static) / r["cp"] + static
+        one = base.get(r["seq_len"]) or earlier.get(r["seq_len"])
+        if one is not None:
+            activations = one["peak_gib"] - static
+            r["ideal_base"] = "this run" if r["seq_len"] in base else f"{baseline.name} ({one['peak_gib']:.2f} GiB)"
+        elif len(known) >= 2:
+            (s0, r0), (s1, r1) = sorted(known.items())[-2:]
+            a0, a1 = r0["peak_gib"] - static, r1["peak_gib"] - static
+            activations = a1 + (a1 - a0) * (r["seq_len"] - s1) / (s1 - s0)
+            r["ideal_base"] = f"extrapolated from cp 1 at {s0} and {s1}"
+        else:
+            continue
+        r["ideal_gib"] = activations / r["cp"] + static
         r["vs_ideal"] = r["peak_gib"] / r["ideal_gib"]
-        r["ideal_base"] = "this run" if r["seq_len"] in base else f"{baseline.name} ({one['peak_gib']:.2f} GiB)"
 
 
 def _bytes_source(rows: list[dict]) -> str:
@@ -247,10 +259,17 @@ def write_table(rows: list[dict], args, device_name: str) -> str:
             f"| {r['tokens_per_s_per_gpu']:.0f} | {peak} | {ideal} |"
         )
     bases = sorted({r["ideal_base"] for r in rows if r.get("ideal_base", "this run") != "this run"})
-    if bases:
+    earlier = [b for b in bases if not b.startswith("extrapolated")]
+    if earlier:
         lines += [
             "",
-            f"cp = 1 peaks for the ideal taken from an earlier run of the same shape and variant: {', '.join(bases)}.",
+            f"cp = 1 peaks for the ideal taken from an earlier run of the same shape and variant: {', '.join(earlier)}.",
+        ]
+    extrapolated = [b for b in bases if b.startswith("extrapolated")]
+    if extrapolated:
+        lines += [
+            "",
+            f"Where one GPU cannot run cp = 1 at S, its activations are {'; '.join(extrapolated)} (linear in S).",
         ]
     if any(r.get("memory_only") for r in rows):
         lines += ["", "memory only (`--memory-only`): one uncounted step per point, for its peak; its wall time includes",
