@@ -246,9 +246,11 @@ def test_attention_strategy_beyond_the_query_heads():
     for cp in (2, 16):
         ulysses = plan.layer_widths(config, cp, attention_cp="ulysses") if cp <= 8 else None
         gathered = plan.layer_widths(config, cp, attention_cp="kv_gather")
-        assert gathered["attn_gathered"] == (8 + 2 * 2 * cp) * 256 and gathered["attn_q_cp"] == 0
+        assert gathered["attn_gathered"] == 8 * 256 and gathered["attn_kv_row"] == 2 * 2 * cp * 256
+        assert gathered["attn_q_cp"] == 0
         if ulysses:
             assert ulysses["attn_gathered"] == (8 + 2 * max(2, cp)) * 256 and ulysses["attn_q_cp"] == 8 * 256
+            assert ulysses["attn_kv_row"] == 0
     nano = shipped("nemotron_h-nano-30b-a3b")
     assert plan.attention_strategy(nano, 64, "auto") == "kv_gather"
     assert plan.attention_strategy(nano, 32, "auto") == "ulysses"
@@ -295,21 +297,25 @@ TILED_LOSS_RUN = "2026-12-03e"
 """The first GPU run of the tiled loss and the weighted MoE combine; rows recorded before it ran the older code."""
 
 
-def _recorded_h200_peaks() -> list[tuple[str, int, int, bool, float, str, int | None]]:
+def _recorded_h200_peaks() -> list[tuple[str, int, int, bool, float, str, int | None, str]]:
     """Every current cp_models peak recorded on the H200 (docs/benchmarks/*.json): (shape, S, cp, checkpointing,
-    GiB, run, simulated rank). Rows measured again after a code change carry a "superseded" status and are left
-    out. Simulated rows name their rank (rows without one were rank cp // 2)."""
+    GiB, run, simulated rank, attention strategy). Rows measured again after a code change carry a "superseded"
+    status and are left out. Simulated rows name their rank (rows without one were rank cp // 2) and, since
+    all-gathered KV exists, the attention strategy the model resolved (rows without one ran Ulysses)."""
     points = []
     for row in json.loads((REPO / "docs/benchmarks/model_step.json").read_text())["rows"]:
         if row["variant"].startswith("cp_models") and row.get("status") == "ok":
             ckpt = "ckpt" in row["variant"]
-            points.append((row["shape"], row["seq_len"], 1, ckpt, row["peak_gib"], row["run"], None))
+            points.append((row["shape"], row["seq_len"], 1, ckpt, row["peak_gib"], row["run"], None, "ulysses"))
     for path in sorted((REPO / "docs/benchmarks").glob("simulated_scale_*.json")):
         for row in json.loads(path.read_text())["rows"]:
             if row.get("status") == "ok" and row.get("peak_gib"):
                 ckpt = row["variant"].endswith("act. ckpt")
                 rank = row.get("rank", row["cp"] // 2) if row["cp"] > 1 else None
-                points.append((row["shape"], row["seq_len"], row["cp"], ckpt, row["peak_gib"], row["run"], rank))
+                attention = row.get("attention") or "ulysses"
+                points.append(
+                    (row["shape"], row["seq_len"], row["cp"], ckpt, row["peak_gib"], row["run"], rank, attention)
+                )
     return points
 
 
@@ -344,23 +350,25 @@ def _as_before_the_tiled_loss(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_memory_model_is_within_fifteen_percent_of_every_recorded_h200_peak(monkeypatch):
     """The planner's per-rank total (weights, gradients, activations, workspace; no optimizer: the benchmarks'
     setting) against torch.cuda.max_memory_allocated of every recorded step: unsharded, all shapes, with and
-    without checkpointing, 8k to 256k tokens, and one rank's share at cp 2 .. 8 on a fake group, estimated for the
-    rank it ran (rank cp // 2 so far: at cp 2 the last, which runs no GDN pre-pass; at cp >= 4 a middle one, through
+    without checkpointing, 8k to 512k tokens, and one rank's share at cp 2 .. 16 on a fake group (cp 16 with
+    all-gathered KV), estimated for the rank and attention strategy it ran (rank cp // 2 so far: at cp 2 the last, which runs no GDN pre-pass; at cp >= 4 a middle one, through
     which the state passes). Rows recorded before TILED_LOSS_RUN are estimated as the planner modelled their code."""
     points = _recorded_h200_peaks()
     shapes = {p[0] for p in points}
     assert {"qwen3_5-0.8b", "qwen3_5-2b", "nemotron_h-nano-8l", "qwen3_5-35b-a3b-8l"} <= shapes
     assert sum(p[2] == 1 for p in points) >= 14 and {p[2] for p in points} >= {2, 4, 8}
     assert sum(p[5] >= TILED_LOSS_RUN for p in points) >= 14  # most points ran today's code
+    assert any(p[7] == "kv_gather" and p[2] > 8 for p in points)  # all-gathered KV past Ulysses' head limit
     configs = _benchmark_shapes(shapes)
     errors = []
-    for shape, seq_len, cp, ckpt, measured, run, rank in points:
+    for shape, seq_len, cp, ckpt, measured, run, rank, attention in points:
         with monkeypatch.context() as patch:
             if run < TILED_LOSS_RUN:
                 _as_before_the_tiled_loss(patch)
             est = plan.estimate_memory(
-                configs[shape], seq_len, cp, activation_checkpointing=ckpt, optimizer=False, rank=rank
-            )
+                configs[shape], seq_len, cp, activation_checkpointing=ckpt, optimizer=False, rank=rank,
+                attention_cp=attention,
+            )  # fmt: skip
         errors.append((est.total / GIB / measured - 1, shape, seq_len, cp, ckpt, measured, est.total / GIB, run))
     worst = max(errors, key=lambda e: abs(e[0]))
     assert abs(worst[0]) <= 0.15, f"worst (relative error, shape, S, cp, ckpt, measured, estimated, run): {worst}"

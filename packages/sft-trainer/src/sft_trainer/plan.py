@@ -88,17 +88,24 @@ ACTIVATION_COEFFICIENTS: dict[str, dict[str, dict[str, float]]] = {
     #   rotated q, k and v); attn_q_cp 1: the output after the exchange back (cp > 1 only; at cp 1 it is the
     #   attention output itself); q_heads_f32 2: the softmax log-sum-exp and q_norm's rstd; kv_heads_f32 1: k_norm's.
     # Transient: dq/dk/dv in the gathered layout and their exchange buffers, the output gradient, fp32 dq accumulator.
+    # All-gathered KV (attn_kv_row, 0 under Ulysses): the gathered row's k|v, saved 1; backward 1: the per-KV-head
+    # key / value gradients over a rank's key range (one query head per kernel call, so flash-attn 2 never expands
+    # them to [keys, Hq, D]) and then the gather's one zeroed row buffer for the reduce-scatter, by which time the
+    # saved row is freed. Measured on the H200: 0.8B at 512k / cp 16 peaked at 7.93 GiB, as the Ulysses points with
+    # the same 32k tokens per rank did (their peak: the GDN layer's backward), so this layer's peak is at most that;
+    # with 1 unit the estimate is +8 % (3 units, the Ulysses value, gave +33 %).
     "qwen3_5.attention": {
         "saved": {
             "hidden": 1,
             "attn_q": 5,
             "attn_kv": 1,
             "attn_gathered": 1,
+            "attn_kv_row": 1,
             "attn_q_cp": 1,
             "q_heads_f32": 2,
             "kv_heads_f32": 1,
         },
-        "transient": {"attn_gathered": 3, "attn_q": 3, "attn_q_f32": 1},
+        "transient": {"attn_gathered": 3, "attn_kv_row": 1, "attn_q": 3, "attn_q_f32": 1},
     },
     # SwiGLU MLP: its input (hidden 1); gate_proj and up_proj outputs, silu(gate), the product (intermediate 4).
     "qwen3_5.mlp": {"saved": {"hidden": 1, "intermediate": 4}, "transient": {"intermediate": 2}},
@@ -164,10 +171,10 @@ ACTIVATION_COEFFICIENTS: dict[str, dict[str, dict[str, float]]] = {
         "transient": {},
     },
     # Attention without gate, norms or rotary: normed input; the gathered q, k, v; the attention output; the
-    # output after the exchange back (cp > 1; o_proj's input); the log-sum-exp.
+    # output after the exchange back (cp > 1; o_proj's input); the log-sum-exp. All-gathered KV as in Qwen3.5's.
     "nemotron_h.attention": {
-        "saved": {"hidden": 1, "attn_gathered": 1, "attn_q": 1, "attn_q_cp": 1, "q_heads_f32": 1},
-        "transient": {"attn_gathered": 3, "attn_q": 2, "attn_q_f32": 1},
+        "saved": {"hidden": 1, "attn_gathered": 1, "attn_kv_row": 1, "attn_q": 1, "attn_q_cp": 1, "q_heads_f32": 1},
+        "transient": {"attn_gathered": 3, "attn_kv_row": 1, "attn_q": 2, "attn_q_f32": 1},
     },
     # squared-ReLU MLP: input, relu output (kept by square), the square (down_proj's input).
     "nemotron_h.mlp": {"saved": {"hidden": 1, "intermediate": 2}, "transient": {"intermediate": 2}},
@@ -558,11 +565,11 @@ def layer_widths(
         w.update(
             attn_q=hq * d,
             attn_kv=hkv * d,
-            # all-gather KV: the local q and the gathered row's k|v buffer (cp T tokens; the attention keeps views
-            # of it alive on every rank); its output is already in the local layout (no exchange back). Backward:
-            # the key gradients summed per KV head and the gather's one row buffer, within "attn_gathered" 3 (one
-            # query head per kernel call, so flash-attn 2 never expands dk/dv to [keys, Hq, D]).
-            attn_gathered=(hq + 2 * hkv * cp) * d if gathered else (hq + 2 * max(hkv, cp)) * d,
+            # all-gather KV: the kernel's q is the local one, and its output is already in the local layout (no
+            # exchange back); the gathered row's k|v buffer (cp T tokens) is attn_kv_row, kept whole on every rank
+            # by the attention's views of it.
+            attn_gathered=hq * d if gathered else (hq + 2 * max(hkv, cp)) * d,
+            attn_kv_row=2 * hkv * cp * d if gathered else 0,
             attn_q_cp=hq * d if cp > 1 and not gathered else 0,
             q_heads=hq,
             kv_heads=hkv,
