@@ -96,9 +96,9 @@ def write_table(rows: list[dict], args, device_name: str) -> str:
         f"# One attention layer's local work per rank under CP, forward + backward ({device_name})",
         "",
         f"Qwen3.5-0.8B / 2B attention shape ({HQ} query heads, {HKV} KV heads, head dim {DIM}), bf16, one document",
-        "spanning the row; one rank of a `fake` process group (compute only: the collectives return at once). Best of",
-        f"{args.reps} after a warm-up call; extra GiB: peak allocated above q, k, v during the calls. Method and variants in",
-        "benchmarks/attention_cp_time.py.",
+        "spanning the row; one rank of a `fake` process group (compute only: the collectives return at once).",
+        f"Best of {args.reps} timed call(s) after a warm-up call; extra GiB: peak allocated above q, k, v during the",
+        "calls. Method and variants in benchmarks/attention_cp_time.py.",
         "",
         "Reproduce on the GPU machine: `python benchmarks/attention_cp_time.py "
         f"--seq-lens {' '.join(map(str, args.seq_lens))} --cps {' '.join(map(str, args.cps))}`",
