@@ -14,10 +14,12 @@
 #   bash benchmarks/gpu_session_models.sh peaks     # allocation sites at the 256k / cp 4 peak; rank 0 at cp 2, 4
 #   bash benchmarks/gpu_session_models.sh kvgather  # all-gathered-KV attention: GPU tests, layer time, 0.8B at cp 16 / 64
 # Logs and tables land under $OUT. Compilation and autotuning of fla's kernels cost minutes per fresh machine (the
-# first step of a new process: ~175 s for a Qwen3.5 model; a lone Mamba layer did not finish in 150 s), so every part
-# leaves the Triton cache (compiled kernels and fla's autotuning results) in $OUT/triton-cache.tgz; copy it to
-# .gpu/triton-cache.tgz here and carry it (alone: the staged wheel parts already fill a call's 64 MiB) in the first
-# work call of the next session: every part restores it into ~/.triton/cache, which stays while the machine is warm.
+# first step of a new process: ~175 s for a Qwen3.5 model, 8 minutes on 2026-12-04 for the simulated 0.8B at cp 16;
+# a lone Mamba layer did not finish in 150 s), so every part leaves the Triton cache (compiled kernels and fla's
+# autotuning results) in $OUT/cache/triton-cache.tgz.N, parts of at most 15 MiB (a file coming back may hold 16 MiB,
+# and at most 8 files come back per call: keep a part's own outputs few). Copy them to .gpu/cache/ here and carry
+# .gpu/cache (alone: the staged wheel parts already fill a call's 64 MiB) in the first work call of the next
+# session: every part restores them into ~/.triton/cache, which stays while the machine is warm.
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$(ls -d "$PWD"/packages/*/src | paste -sd:)
 export PYTHONUNBUFFERED=1
@@ -25,10 +27,14 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 versions() { python3 -c "import torch, triton, fla, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__, 'transformers', transformers.__version__)"; }
 CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
-if [ -f .gpu/triton-cache.tgz ]; then mkdir -p "$CACHE_DIR" && tar xzf .gpu/triton-cache.tgz -C "$CACHE_DIR"; fi
-save_cache() {  # at most 60 MiB, so that it can travel back in with the next session's carry limit
+if ls .gpu/cache/triton-cache.tgz.* >/dev/null 2>&1; then
+  mkdir -p "$CACHE_DIR" && cat .gpu/cache/triton-cache.tgz.* | tar xzf - -C "$CACHE_DIR"
+fi
+save_cache() {  # at most 60 MiB in 15 MiB parts, so that it comes back and can travel in with the next carry
   tar czf /tmp/triton-cache.tgz -C "$CACHE_DIR" . 2>/dev/null || return 0
-  if [ "$(stat -c %s /tmp/triton-cache.tgz)" -le $((60 * 2**20)) ]; then cp /tmp/triton-cache.tgz "$OUT/"; fi
+  if [ "$(stat -c %s /tmp/triton-cache.tgz)" -le $((60 * 2**20)) ]; then
+    mkdir -p "$OUT/cache" && split -b 15M -d -a 1 /tmp/triton-cache.tgz "$OUT/cache/triton-cache.tgz."
+  fi
 }
 trap save_cache EXIT
 VARIANTS=(cp_models "cp_models + act. ckpt" transformers "transformers + grad. ckpt")
