@@ -2,11 +2,14 @@
 causal work splits, cp = 2 .. 64.
 
 Bytes are counted by ``cp_core.testing.CommCounter`` on a ``fake`` process group (true shapes, meaningless data), as
-in ulysses_bytes.py: the real ``kv_gather_attention`` / ``ulysses_attention`` at the smallest length, their exchange
-pipelines with a shape-preserving stand-in for the attention arithmetic at every length (the two counts must agree,
-and equal sft_trainer.plan's closed forms). The work split is exact arithmetic on the packed-row metadata: the
-causal scores a rank computes, sum over its documents of ``q_len (keys before + (q_len + 1) / 2)``; Ulysses gives
-every rank ``1/cp`` of every document's scores (by heads), all-gathered KV gives each rank its own queries' scores.
+in ulysses_bytes.py, and must equal sft_trainer.plan's closed forms. All-gathered KV: the real
+``kv_gather_attention`` on 128-token documents at the smallest length (each shard's work is already even, so no rank
+swaps queries: the closed form without ``balance``), and for one document spanning the row at every length, with
+its exchanges real and its attention arithmetic replaced by a cheap shape-preserving stand-in (rank pairs swap half
+their queries: the closed form with ``balance``). The work split is exact arithmetic on the packed-row metadata: the
+causal scores a rank computes (``cp_core.kv_gather.QueryStretch.causal_scores``); Ulysses gives every rank ``1/cp``
+of every document's scores (by heads); all-gathered KV each rank its own queries' scores, or with balancing
+(``balanced_stretches``) half of its own and half of its partner's where that evens the work.
 
 Usage:  uv run python benchmarks/attention_cp.py [--seq-lens 32768 131072] [--cps 2 4 8 16 32 64]
 Writes the table to docs/benchmarks/attention_cp.md.
@@ -16,24 +19,33 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from unittest import mock
 
 import torch
 from ulysses_bytes import DOC_LEN, SHAPES
 from ulysses_bytes import measure as measure_ulysses
 
-from cp_core import CPTopology, build_packed_metadata, gather_kv, kv_gather_attention, resolve_attention_cp_style
-from cp_core.kv_gather import key_range
+from cp_core import CPTopology, build_packed_metadata, kv_gather_attention, resolve_attention_cp_style
+from cp_core.kv_gather import balanced_stretches, query_stretch
 from cp_core.testing import CommCounter, fake_process_group
 from sft_trainer.plan import kv_gather_attention_bytes, ulysses_attention_bytes
 
 WORK_LAYOUTS = {"one document": None, "8k documents": 8192}
 
 
+def _stand_in_attention(q, k, v, *args, **kwargs):
+    """Shape-preserving and reading every key and value, so that every exchange and its backward still runs."""
+    return q + (k.sum(0) + v.sum(0))
+
+
 def measure_kv_gather(seq_len: int, cp: int, hq: int, hkv: int, dim: int, real: bool) -> tuple[int, int]:
-    """Bytes rank 0 sends (every rank sends the same) and the number of collectives, forward + backward."""
+    """Bytes rank 0 sends (the most: it swaps queries where any rank does) and the number of collectives, forward +
+    backward. ``real``: 128-token documents, real attention; else one document spanning the row, stand-in
+    arithmetic."""
     with fake_process_group(0, cp) as group:
         topology = CPTopology.from_group(group)
-        metadata = build_packed_metadata([DOC_LEN] * (seq_len // DOC_LEN), topology.rank, cp)
+        lens = [DOC_LEN] * (seq_len // DOC_LEN) if real else [seq_len]
+        metadata = build_packed_metadata(lens, topology.rank, cp)
         local = seq_len // cp
         q = torch.zeros(local, hq, dim, dtype=torch.bfloat16, requires_grad=True)
         k = torch.zeros(local, hkv, dim, dtype=torch.bfloat16, requires_grad=True)
@@ -41,26 +53,24 @@ def measure_kv_gather(seq_len: int, cp: int, hq: int, hkv: int, dim: int, real: 
         with CommCounter(cp) as counter:
             if real:
                 out = kv_gather_attention(q, k, v, metadata, topology, backend="torch")
-            else:  # the gather and its reduce-scatter, with a stand-in that reads every gathered row
-                keys, values = gather_kv(k, v, topology)
-                out = q + (torch.cat(keys, 1) + torch.cat(values, 1)).sum(0).repeat_interleave(hq // hkv, dim=0)
+            else:
+                with mock.patch("cp_core.kv_gather.varlen_causal_attention", _stand_in_attention):
+                    out = kv_gather_attention(q, k, v, metadata, topology, backend="torch")
             out.backward(torch.zeros_like(out))
         return counter.total_sent_bytes, len(counter.records)
 
 
-def causal_scores(q_len: int, keys_before: int) -> float:
-    return q_len * (keys_before + (q_len + 1) / 2)
-
-
-def busiest_over_mean(seq_len: int, cp: int, doc_len: int | None) -> float:
+def busiest_over_mean(seq_len: int, cp: int, doc_len: int | None, balance: bool) -> float:
     """All-gathered KV: the busiest rank's causal scores over the mean (Ulysses: 1.0 by construction)."""
     lens = [seq_len] if doc_len is None else [doc_len] * (seq_len // doc_len)
     work = []
     for rank in range(cp):
         meta = build_packed_metadata(lens, rank, cp)
-        before = meta.shard_start - key_range(meta)[0]
-        pieces = [(n, before if i == 0 else 0) for i, n in enumerate(meta.local_seq_lens)]
-        work.append(sum(causal_scores(n, b) for n, b in pieces))
+        if balance:
+            stretches, _ = balanced_stretches(meta)
+        else:
+            stretches = [query_stretch(meta, meta.shard_start, meta.shard_end)]
+        work.append(sum(s.causal_scores() for s in stretches))
     return max(work) / (sum(work) / cp)
 
 
@@ -77,31 +87,37 @@ def main() -> None:
         for seq_len in args.seq_lens:
             for cp in args.cps:
                 gathered, collectives = measure_kv_gather(seq_len, cp, hq, hkv, dim, real=False)
-                if seq_len == min(args.seq_lens):
-                    real = measure_kv_gather(seq_len, cp, hq, hkv, dim, real=True)
-                    if real != (gathered, collectives):
-                        raise SystemExit(f"kv_gather_attention sent {real}, the pipeline {(gathered, collectives)}")
-                if gathered != kv_gather_attention_bytes(seq_len, cp, hkv, dim, elem):
+                if gathered != kv_gather_attention_bytes(seq_len, cp, hq, hkv, dim, elem):
                     raise SystemExit(f"counted {gathered} bytes, the closed form differs ({name}, {seq_len}, {cp})")
+                if seq_len == min(args.seq_lens):
+                    real, _ = measure_kv_gather(seq_len, cp, hq, hkv, dim, real=True)
+                    if real != kv_gather_attention_bytes(seq_len, cp, hq, hkv, dim, elem, balance=False):
+                        raise SystemExit(f"kv_gather_attention sent {real}, the closed form without swaps differs")
                 ulysses = None
                 if resolve_attention_cp_style("auto", hq, hkv, cp) == "ulysses":
                     ulysses, _ = measure_ulysses(seq_len, cp, hq, hkv, dim, torch.bfloat16, full_attention=False)
                     if ulysses != ulysses_attention_bytes(seq_len, cp, hq, hkv, dim, elem):
                         raise SystemExit(f"Ulysses counted {ulysses} bytes, the closed form differs")
                 held = seq_len * 2 * hkv * dim * elem  # the gathered k|v buffer, on every rank
-                work = {label: busiest_over_mean(seq_len, cp, n) for label, n in WORK_LAYOUTS.items()}
+                work = {
+                    label: (busiest_over_mean(seq_len, cp, n, False), busiest_over_mean(seq_len, cp, n, True))
+                    for label, n in WORK_LAYOUTS.items()
+                }
                 rows.append((name, hq, hkv, dim, seq_len, cp, ulysses, gathered, collectives, held, work))
                 print(rows[-1], flush=True)
     lines = [
         "# Softmax attention under CP: Ulysses vs all-gathered KV, per layer and rank (bf16, forward + backward)",
         "",
-        "Bytes counted by `cp_core.testing.CommCounter` on a `fake` process group (the real `kv_gather_attention` at",
-        "the smallest length, its all-gather / reduce-scatter pipeline at every length; equal to the closed forms",
-        "`2 (cp-1) (S/cp) 2 Hkv D b` and, for Ulysses where cp divides the heads, `2 (S/cp) (2 Hq + 2 max(Hkv, cp)) D b",
-        "(cp-1)/cp`). held: the gathered row's k|v every rank keeps while the layer runs (Ulysses holds `S / cp` tokens'",
-        "q, k, v in head layout instead). busiest / mean: the causal scores of the busiest rank over the mean under",
-        "all-gathered KV, for one document spanning the row and for 8k-token documents (Ulysses: 1.00 by heads).",
-        "`auto` takes Ulysses wherever it can run; `-` marks a cp that does not divide the query heads.",
+        "Bytes counted by `cp_core.testing.CommCounter` on a `fake` process group, for one document spanning the row",
+        "(rank 0; method in benchmarks/attention_cp.py), equal to the closed forms `2 (cp-1) (S/cp) 2 Hkv D b + 4",
+        "(S/cp)/2 Hq D b` (the all-gather and reduce-scatter of k|v, then the query / output swap of balancing) and, for",
+        "Ulysses where cp divides the heads, `2 (S/cp) (2 Hq + 2 max(Hkv, cp)) D b (cp-1)/cp`; collectives counts each",
+        "send and receive of the swaps. held: the gathered row's k|v every rank keeps while the layer runs (Ulysses holds",
+        "`S / cp` tokens' q, k, v in head layout instead). busiest / mean: the causal scores of the busiest rank over",
+        "the mean under all-gathered KV, each rank attending its own queries | rank pairs swapping half their queries",
+        "where that evens the work (the default), for one document spanning the row and for 8k-token documents",
+        "(Ulysses: 1.00 by heads). `auto` takes Ulysses wherever it can run; `-` marks a cp that does not divide the",
+        "query heads.",
         "",
         "Reproduce: `uv run python benchmarks/attention_cp.py`",
         "",
@@ -114,7 +130,9 @@ def main() -> None:
         u = "-" if ulysses is None else f"{ulysses / 2**20:.1f}"
         lines.append(
             f"| {name} | {hq} / {hkv} | {seq_len} | {cp} | {u} | {gathered / 2**20:.1f} | {collectives} "
-            f"| {held / 2**30:.3f} " + "".join(f"| {work[label]:.2f} " for label in WORK_LAYOUTS) + "|"
+            f"| {held / 2**30:.3f} "
+            + "".join(f"| {work[label][0]:.2f} \\| {work[label][1]:.2f} " for label in WORK_LAYOUTS)
+            + "|"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")

@@ -2,15 +2,17 @@
 
 One rank of a ``fake`` process group of cp ranks (its collectives return at once: compute only, no communication)
 runs the real ``ulysses_attention`` / ``kv_gather_attention`` on one document spanning the row, bf16, for the
-Qwen3.5-0.8B / 2B attention shape (8 query heads, 2 KV heads, head dim 256). Three variants:
+Qwen3.5-0.8B / 2B attention shape (8 query heads, 2 KV heads, head dim 256). Variants:
 
 - ``ulysses``: every rank attends the whole row with Hq / cp heads (where cp divides the heads);
-- ``kv_gather``: rank r's S / cp queries against every earlier key, one kernel call per query head (what the
-  library runs: no [keys, Hq, D] dk/dv expansion in flash-attn 2's GQA backward);
-- ``kv_gather, one GQA call``: the same work in one call over all query heads, to price the per-head launches.
+- ``kv_gather``: the library's default, balanced: rank r attends the first half of its queries and the second half
+  of rank cp - 1 - r's (the fake group swaps garbage of the right shape), one kernel call per query head;
+- ``kv_gather, own queries``: ``balance=False``, rank r's S / cp queries against every earlier key;
+- ``kv_gather, own queries, one GQA call``: the same work in one call over all query heads, to price the per-head
+  launches (one query head per call avoids flash-attn 2's [keys, Hq, D] dk/dv expansion under GQA).
 
-Ranks: the middle one (cp // 2) and the last (cp - 1, the busiest: its queries see the whole row). The causal
-work of Ulysses per rank is S^2 Hq / (2 cp); of the last rank under all-gathered KV about 2x that (1.98x at cp 64).
+Ranks: the middle one (cp // 2) and the last (cp - 1, the busiest when ranks keep their own queries: its queries
+see the whole row, about 2x the mean, 1.98x at cp 64).
 
 Usage (GPU machine): python benchmarks/attention_cp_time.py [--seq-lens 131072 1048576] [--cps 8 16 64]
 Writes the table to docs/benchmarks/attention_cp_time.md (--out).
@@ -40,7 +42,7 @@ HQ, HKV, DIM = 8, 2, 256
 
 
 def _one_gqa_call(q, k, v, metadata, topology):
-    """kv_gather_attention's work in one kernel call over all query heads (the comparison, not the library path)."""
+    """The own-queries work in one kernel call over all query heads (the comparison, not the library path)."""
     start, end = key_range(metadata)
     keys, values = gather_kv(k, v, topology, start, end)
     before = metadata.shard_start - start
@@ -55,7 +57,8 @@ def _one_gqa_call(q, k, v, metadata, topology):
 VARIANTS = {
     "ulysses": lambda q, k, v, m, t: ulysses_attention(q, k, v, m, t),
     "kv_gather": lambda q, k, v, m, t: kv_gather_attention(q, k, v, m, t),
-    "kv_gather, one GQA call": _one_gqa_call,
+    "kv_gather, own queries": lambda q, k, v, m, t: kv_gather_attention(q, k, v, m, t, balance=False),
+    "kv_gather, own queries, one GQA call": _one_gqa_call,
 }
 
 

@@ -21,7 +21,7 @@ from cp_core import (
     varlen_causal_attention,
 )
 from cp_core.attention import torch_varlen_attention
-from cp_core.kv_gather import key_range
+from cp_core.kv_gather import balanced_stretches, key_range, query_stretch
 from cp_core.packing import PackedRowMetadata, cu_seqlens_from_lens
 from cp_core.testing import GlooWorkers, check_cp_parity, layout_cases, one_torch_thread, random_seq_lens
 
@@ -151,6 +151,74 @@ def test_key_range_reaches_back_to_the_first_documents_start():
     assert key_range(build_packed_metadata([8, 8, 8, 8], 2, 4)) == (16, 24)  # a cut on a boundary: nothing before
 
 
+def test_query_stretch_pieces_and_keys_before():
+    seq_lens = [5, 22, 5]  # documents [0, 5), [5, 27), [27, 32)
+    meta = build_packed_metadata(seq_lens, 0, 4)
+    assert query_stretch(meta, 0, 8) == query_stretch(meta, 0, 8, sliding_window=100)
+    stretch = query_stretch(meta, 0, 8)
+    assert (stretch.seq_lens, stretch.keys_before, stretch.key_start) == ((5, 3), 0, 0)
+    stretch = query_stretch(meta, 12, 30)
+    assert (stretch.seq_lens, stretch.keys_before, stretch.key_start) == ((15, 3), 7, 5)
+    assert query_stretch(meta, 12, 30, sliding_window=4).keys_before == 3
+    assert query_stretch(meta, 27, 32).keys_before == 0  # a cut on a boundary
+    # The work: causal scores of each piece, counted one query at a time.
+    for window in (None, 1, 4, 9):
+        stretch = query_stretch(meta, 12, 30, sliding_window=window)
+        per_query = [
+            min(window or 10**9, before + j + 1)
+            for n, before in zip(stretch.seq_lens, (stretch.keys_before, 0), strict=True)
+            for j in range(n)
+        ]
+        assert stretch.causal_scores(window) == sum(per_query), window
+
+
+def _work(stretches, window=None) -> float:
+    return sum(s.causal_scores(window) for s in stretches)
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4, 8])
+def test_balanced_stretches_even_out_one_spanning_document(cp):
+    """One document over the row: rank r attends chunks 2r and 2cp-1-2r of 2cp (the middle rank of an odd cp keeps
+    its shard), and every rank computes the same causal work (within a chunk's diagonal rounding)."""
+    seq_len = 64 * cp
+    plans = [balanced_stretches(build_packed_metadata([seq_len], r, cp)) for r in range(cp)]
+    for rank, (stretches, partner) in enumerate(plans):
+        if cp % 2 and rank == cp // 2:
+            assert partner is None and [(s.start, s.end) for s in stretches] == [(rank * 64, rank * 64 + 64)]
+            continue
+        assert partner == cp - 1 - rank and plans[partner][1] == rank
+        assert [(s.start, s.end) for s in stretches] == [
+            (64 * rank, 64 * rank + 32),
+            (seq_len - 32 * (2 * rank + 1), seq_len - 64 * rank),
+        ]
+    work = [_work(s) for s, _ in plans]
+    unbalanced = [
+        _work([query_stretch(build_packed_metadata([seq_len], r, cp), 64 * r, 64 * r + 64)]) for r in range(cp)
+    ]
+    assert max(work) < max(unbalanced)
+    if cp % 2 == 0:
+        assert max(work) == min(work), work
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4, 8])
+@pytest.mark.parametrize("window", [None, 5])
+def test_balanced_stretches_cover_the_row_once_and_never_raise_the_busiest(cp, window):
+    rng = random.Random(cp)
+    layouts = [*layout_cases(16 * cp, cp).values()] + [random_seq_lens(16 * cp, rng) for _ in range(20)]
+    for seq_lens in layouts:
+        metas = [build_packed_metadata(seq_lens, r, cp) for r in range(cp)]
+        plans = [balanced_stretches(m, window) for m in metas]
+        covered = sorted((s.start, s.end) for stretches, _ in plans for s in stretches)
+        assert [a for a, _ in covered] == [0, *[b for _, b in covered[:-1]]] and covered[-1][1] == 16 * cp
+        for rank, (_, partner) in enumerate(plans):
+            assert partner is None or plans[partner][1] == rank, (seq_lens, rank)  # a pair always agrees
+        before = [_work([query_stretch(m, m.shard_start, m.shard_end, window)], window) for m in metas]
+        after = [_work(stretches, window) for stretches, _ in plans]
+        assert max(after) <= max(before), seq_lens
+    # Documents no longer than a shard, one per shard: already even, so nobody swaps (no extra collectives).
+    assert all(balanced_stretches(build_packed_metadata([16] * cp, r, cp))[1] is None for r in range(cp))
+
+
 def test_without_cp_both_strategies_are_plain_varlen_attention():
     seq_lens = [5, 11, 3, 5]
     meta = build_packed_metadata(seq_lens)
@@ -211,9 +279,10 @@ def _kv_gather_case(
     v: torch.Tensor,
     scale: float | None = None,
     sliding_window: int | None = None,
+    balance: bool = True,
 ) -> torch.Tensor:
     return kv_gather_attention(
-        q, k, v, metadata, topology, scale=scale, sliding_window=sliding_window, backend="torch"
+        q, k, v, metadata, topology, scale=scale, sliding_window=sliding_window, backend="torch", balance=balance
     )  # fmt: skip
 
 
@@ -249,6 +318,8 @@ def _parity_configs(cp: int) -> dict[str, dict]:
         "window_past_cut": {"q_heads": 2, "kv_heads": 2, "sliding_window": TOTAL // cp + 3},
         "scale": {"q_heads": 4, "kv_heads": 4, "scale": 0.37},
         "v_dim": {"q_heads": 4, "kv_heads": 1, "v_dim": HEAD_DIM + 4},  # separate gathers for k and v
+        "v_dim_window": {"q_heads": 2, "kv_heads": 1, "v_dim": HEAD_DIM - 2, "sliding_window": 7},
+        "unbalanced": {"q_heads": 4, "kv_heads": 2, "balance": False},  # every rank keeps its own queries
     }
 
 
@@ -258,11 +329,20 @@ def test_kv_gather_parity_over_layout_cases(workers, config_name):
     cp = workers.world_size
     config = _parity_configs(cp)[config_name]
     q_heads, kv_heads = config["q_heads"], config["kv_heads"]
-    case = functools.partial(_kv_gather_case, scale=config.get("scale"), sliding_window=config.get("sliding_window"))
+    window = config.get("sliding_window")
+    case = functools.partial(
+        _kv_gather_case, scale=config.get("scale"), sliding_window=window, balance=config.get("balance", True)
+    )  # fmt: skip
     layouts = dict(layout_cases(TOTAL, cp))
     rng = random.Random(cp * 1000 + q_heads)
     for trial in range(2):
         layouts[f"random{trial}"] = random_seq_lens(TOTAL, rng)
+    swaps = sum(
+        balanced_stretches(build_packed_metadata(lens, r, cp), window)[1] is not None
+        for lens in layouts.values()
+        for r in range(cp)
+    )
+    assert swaps > 0  # the layouts exercise the query swap (where balance is on)
     failures = []
     for index, (layout, seq_lens) in enumerate(layouts.items()):
         seed = 100 * index + q_heads + kv_heads

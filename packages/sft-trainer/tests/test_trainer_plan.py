@@ -191,8 +191,9 @@ def test_qwen35_layer_bytes_equal_the_closed_forms(cp, dtype):
         assert attention == expected > 0
         gathered = busiest_rank_bytes(_qwen_layer(dense, 3, dtype), cp, seq_len, recompute, "kv_gather")
         expected = plan.kv_gather_attention_bytes(
-            seq_len, cp, dense.num_key_value_heads, dense.head_dim, elem, recompute=recompute
-        )
+            seq_len, cp, dense.num_attention_heads, dense.num_key_value_heads, dense.head_dim, elem,
+            recompute=recompute,
+        )  # fmt: skip
         assert gathered == expected > 0
 
 
@@ -213,8 +214,8 @@ def test_nemotron_h_layer_bytes_equal_the_closed_forms(cp):
         assert attention == expected > 0
         block = _nemotron_block(config, 1, "state_passing")
         gathered = busiest_rank_bytes(block, cp, seq_len, recompute, "kv_gather")
-        kv, d = config.num_key_value_heads, config.head_dim
-        assert gathered == plan.kv_gather_attention_bytes(seq_len, cp, kv, d, 2, recompute=recompute) > 0
+        q, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        assert gathered == plan.kv_gather_attention_bytes(seq_len, cp, q, kv, d, 2, recompute=recompute) > 0
     for index in (3, 4):  # MLP, MoE: token-wise
         assert busiest_rank_bytes(_nemotron_block(config, index, "state_passing"), cp, seq_len) == 0
 

@@ -1,10 +1,11 @@
 """All-gather-KV context parallelism for attention: any cp, whatever the head counts.
 
-Each rank keeps its own queries ``[S / cp, Hq, D]`` and gathers the keys and values of the whole row (one
-all-gather of ``[S / cp, 2 Hkv, D]`` forward, a reduce-scatter of their gradients backward). Each of the rank's
-documents then attends its local queries against the document's keys from its first token, wherever that lies,
-up to the rank's last token: varlen attention whose key ranges end where the query ranges end (bottom-right causal
-alignment, see :mod:`cp_core.attention`). Nothing else changes, so it is exact like Ulysses.
+Each rank gathers the keys and values of the whole row (one all-gather of its ``[S / cp, 2 Hkv, D]`` forward, a
+reduce-scatter of their gradients backward) and attends a contiguous stretch of queries, its own ``[S / cp, Hq,
+D]`` (or half of them and half of a partner's, below): each document's piece of the stretch against the document's
+keys from its first token, wherever that lies, up to the stretch's last token: varlen attention whose key ranges
+end where the query ranges end (bottom-right causal alignment, see :mod:`cp_core.attention`). Nothing else
+changes, so it is exact like Ulysses.
 
 Against Ulysses (:mod:`cp_core.ulysses`), which needs cp to divide the query heads:
 
@@ -13,14 +14,18 @@ Against Ulysses (:mod:`cp_core.ulysses`), which needs cp to divide the query hea
   and as many gradients backward, where Ulysses sends ``(cp - 1) / cp`` of its tokens' q, k, v and output,
   ``(2 Hq + 2 max(Hkv, cp)) D S / cp`` elements each way: fewer bytes while ``Hkv cp < Hq + max(Hkv, cp)``
   (grouped-query models at small cp), more beyond;
-- the gathered keys of a rank's first document (up to the whole row on the last rank) stay alive for backward;
-  attention runs one query head per call, so no kernel expands the key gradients to the query heads;
-- the work is uneven: with one document over the row, rank ``r`` computes ``(r + 1/2) (S / cp)^2`` scores, the
-  last rank ``2 - 1/cp`` times the mean (Ulysses splits the work evenly by heads).
+- the gathered row stays alive for backward (the attention keeps views of it); attention runs one query head per
+  call, so no kernel expands the key gradients to the query heads;
+- the work is uneven when each rank keeps its own queries: with one document over the row, rank ``r`` computes
+  ``(r + 1/2) (S / cp)^2`` scores, the last rank ``2 - 1/cp`` times the mean. Every rank holds the whole gathered
+  row, so ranks ``r`` and ``cp - 1 - r`` swap the second halves of their queries (and the outputs back) wherever
+  that lowers the busier one's work (:func:`balanced_stretches`): equal work for one spanning document, for
+  ``4 (S / cp) / 2 Hq D`` more elements per rank and layer (q and output forward, their gradients backward).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -29,40 +34,90 @@ import torch.distributed as dist
 from cp_core.attention import AttentionBackend, check_attention_shard, varlen_causal_attention
 from cp_core.errors import ContextParallelError
 from cp_core.packing import PackedRowMetadata
-from cp_core.sharding import gather_sequence
 from cp_core.topology import CPTopology
 from cp_core.ulysses import check_ulysses_heads, ulysses_attention
 
 
 class _GatherKeysValues(torch.autograd.Function):
-    """All-gather the row's ``k|v`` and return the keys ``[start, end)`` of each KV head as its own output, a
-    ``[end - start, 1, D]`` view of the one gathered buffer (k heads, then v heads).
+    """All-gather the row's ``k`` and ``v`` and return, for each global key range ``[start, end)`` asked for, each KV
+    head's keys then values as outputs of their own, ``[end - start, 1, D]`` views of the gathered buffer; with a
+    ``partner`` rank, also swap ``q_send`` with the partner's (the last output: the partner's ``q_send``).
 
     Separate outputs get their gradients separately (no row-sized zero-filled gradient per slice, as slicing under
-    autograd would make); backward writes them all into one zeroed ``[S, 2 Hkv, D]`` buffer and reduce-scatters it."""
+    autograd would make); backward writes them all into one zeroed row-sized buffer and reduce-scatters it, after
+    swapping the received queries' gradient back. Doing the swap and the gather in one function fixes the order of
+    their collectives in backward on every rank (separate autograd nodes could run in either order)."""
 
     @staticmethod
-    def forward(ctx, k: torch.Tensor, v: torch.Tensor, topology: CPTopology, start: int, end: int):
-        ctx.topology, ctx.start, ctx.end, ctx.local_len = topology, start, end, k.size(0)
+    def forward(ctx, k, v, q_send, topology: CPTopology, ranges, partner):
+        ctx.topology, ctx.ranges, ctx.partner, ctx.local_len = topology, ranges, partner, k.size(0)
         ctx.set_materialize_grads(False)  # an unused head's gradient stays None rather than a zero tensor
-        local = torch.cat([k, v], dim=1)
-        row = local.new_empty((topology.size * local.size(0), *local.shape[1:]))
-        dist.all_gather_into_tensor(row, local, group=topology.group)
-        keys = row[start:end]
-        return tuple(keys[:, i : i + 1] for i in range(keys.size(1)))
+        ctx.heads, ctx.dims = k.size(1), (k.size(2), v.size(2))
+        fused = k.size(2) == v.size(2) and k.dtype == v.dtype
+        rows = [_all_gather_rows(torch.cat([k, v], dim=1), topology)] if fused else [
+            _all_gather_rows(k, topology), _all_gather_rows(v, topology)
+        ]  # fmt: skip
+        ctx.fused = fused
+        heads = [rows[0][:, i : i + 1] for i in range(2 * ctx.heads)] if fused else [
+            rows[j][:, i : i + 1] for j in (0, 1) for i in range(ctx.heads)
+        ]  # fmt: skip
+        outputs = [head[start:end] for start, end in ranges for head in heads]
+        if partner is not None:
+            ctx.q_like = q_send.new_empty(()).expand(q_send.shape)  # shape, dtype and device, one element
+            outputs.append(_swap_with(q_send, partner, topology))
+        return tuple(outputs)
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor | None):
+    def backward(ctx, *grads):
         topology: CPTopology = ctx.topology
+        grad_q_send = None
+        if ctx.partner is not None:
+            *grads, grad_received = grads
+            if grad_received is None:  # the partner still waits for a gradient
+                grad_received = torch.zeros_like(ctx.q_like)
+            grad_q_send = _swap_with(grad_received, ctx.partner, topology)
+        per_range = 2 * ctx.heads
         like = next(g for g in grads if g is not None)
-        row = like.new_zeros((topology.size * ctx.local_len, len(grads), like.size(2)))
-        for i, grad in enumerate(grads):
-            if grad is not None:
-                row[ctx.start : ctx.end, i : i + 1] = grad
-        local = row.new_empty((ctx.local_len, *row.shape[1:]))
-        dist.reduce_scatter_tensor(local, row, op=dist.ReduceOp.SUM, group=topology.group)
-        heads = len(grads) // 2
-        return local[:, :heads], local[:, heads:], None, None, None
+        size = topology.size * ctx.local_len
+        if ctx.fused:
+            buffers = [like.new_zeros((size, per_range, like.size(2)))]
+        else:
+            buffers = [like.new_zeros((size, ctx.heads, dim)) for dim in ctx.dims]
+        for index, grad in enumerate(grads):
+            if grad is None:
+                continue
+            (start, end), head = ctx.ranges[index // per_range], index % per_range
+            buffer, column = (buffers[0], head) if ctx.fused else (buffers[head // ctx.heads], head % ctx.heads)
+            buffer[start:end, column : column + 1] += grad
+        locals_ = [_reduce_scatter_rows(buffer, topology) for buffer in buffers]
+        if ctx.fused:
+            grad_k, grad_v = locals_[0][:, : ctx.heads], locals_[0][:, ctx.heads :]
+        else:
+            grad_k, grad_v = locals_
+        return grad_k, grad_v, grad_q_send, None, None, None
+
+
+def _all_gather_rows(local: torch.Tensor, topology: CPTopology) -> torch.Tensor:
+    row = local.new_empty((topology.size * local.size(0), *local.shape[1:]))
+    dist.all_gather_into_tensor(row, local.contiguous(), group=topology.group)
+    return row
+
+
+def _reduce_scatter_rows(row: torch.Tensor, topology: CPTopology) -> torch.Tensor:
+    local = row.new_empty((row.size(0) // topology.size, *row.shape[1:]))
+    dist.reduce_scatter_tensor(local, row, op=dist.ReduceOp.SUM, group=topology.group)
+    return local
+
+
+def _swap_with(tensor: torch.Tensor, partner: int, topology: CPTopology) -> torch.Tensor:
+    """Send ``tensor`` to ``partner`` and return the partner's tensor of the same shape."""
+    group = topology.group
+    received = torch.empty_like(tensor)
+    peer = dist.get_global_rank(group, partner)
+    ops = [dist.P2POp(dist.isend, tensor.contiguous(), peer, group), dist.P2POp(dist.irecv, received, peer, group)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return received
 
 
 def gather_kv(
@@ -73,12 +128,51 @@ def gather_kv(
     backward sums every rank's gradient into each shard (a reduce-scatter)."""
     end = topology.size * k.size(0) if end is None else end
     heads = k.size(1)
-    if k.size(2) == v.size(2) and k.dtype == v.dtype:
-        both = _GatherKeysValues.apply(k, v, topology, start, end)
-        return list(both[:heads]), list(both[heads:])
-    full_k = gather_sequence(k, topology, dim=0, backward="sum")[start:end]
-    full_v = gather_sequence(v, topology, dim=0, backward="sum")[start:end]
-    return [full_k[:, i : i + 1] for i in range(heads)], [full_v[:, i : i + 1] for i in range(heads)]
+    both = _GatherKeysValues.apply(k, v, None, topology, ((start, end),), None)
+    return list(both[:heads]), list(both[heads:])
+
+
+@dataclass(frozen=True)
+class QueryStretch:
+    """A contiguous global stretch ``[start, end)`` of the row's queries and the documents' pieces in it:
+    ``seq_lens`` (the pieces' lengths, in order) and ``keys_before`` (keys of the first piece's document that lie
+    before ``start`` and that its queries read, the sliding window's reach at most)."""
+
+    start: int
+    end: int
+    seq_lens: tuple[int, ...]
+    keys_before: int
+
+    @property
+    def key_start(self) -> int:
+        return self.start - self.keys_before
+
+    def causal_scores(self, sliding_window: int | None = None) -> float:
+        """Query-key pairs its causal attention computes (the work it costs)."""
+        total = 0.0
+        for i, n in enumerate(self.seq_lens):
+            before = self.keys_before if i == 0 else 0
+            if sliding_window is None:
+                total += n * (before + (n + 1) / 2)
+            else:  # query j reads min(window, before + j + 1) keys
+                full = max(0, min(n, sliding_window - before))
+                total += full * (before + (full + 1) / 2) + (n - full) * sliding_window
+        return total
+
+
+def query_stretch(metadata: PackedRowMetadata, start: int, end: int, sliding_window: int | None = None) -> QueryStretch:
+    """The documents' pieces of the global query stretch ``[start, end)`` of ``metadata``'s row."""
+    lens, doc_start, keys_before = [], 0, 0
+    for n in metadata.seq_lens:
+        doc_end = doc_start + n
+        if doc_end > start and doc_start < end:
+            if not lens:
+                keys_before = start - doc_start if doc_start < start else 0
+            lens.append(min(doc_end, end) - max(doc_start, start))
+        doc_start = doc_end
+    if sliding_window is not None:
+        keys_before = min(keys_before, sliding_window - 1)
+    return QueryStretch(start, end, tuple(lens), keys_before)
 
 
 def key_range(metadata: PackedRowMetadata, sliding_window: int | None = None) -> tuple[int, int]:
@@ -88,6 +182,62 @@ def key_range(metadata: PackedRowMetadata, sliding_window: int | None = None) ->
     if sliding_window is not None:
         before = min(before, sliding_window - 1)
     return metadata.shard_start - before, metadata.shard_end
+
+
+def balanced_stretches(
+    metadata: PackedRowMetadata, sliding_window: int | None = None
+) -> tuple[list[QueryStretch], int | None]:
+    """The query stretches this rank attends and the partner it swaps queries with (None: no swap).
+
+    With a document spanning the row, later ranks' queries read more keys: the last rank computes ``2 - 1/cp``
+    times the mean. Every rank holds the whole gathered row, so any rank can attend any queries: ranks ``r`` and
+    ``cp - 1 - r`` swap the second halves of their shards when that lowers the busier one's work. Then rank ``r``
+    attends chunks ``2r`` and ``2 cp - 1 - 2r`` of the row cut in ``2 cp`` (the zigzag split), equal work for one
+    document. Every rank decides from the same global metadata, so a pair always agrees and nobody else waits."""
+    cp, rank, local = metadata.cp_size, metadata.cp_rank, metadata.local_len
+    partner, half = cp - 1 - rank, local // 2
+
+    def stretches(of: int, swapped: bool) -> list[QueryStretch]:
+        first, last = of * local, (of + 1) * local
+        if not swapped:
+            return [query_stretch(metadata, first, last, sliding_window)]
+        other = (cp - 1 - of) * local
+        return [
+            query_stretch(metadata, first, first + half, sliding_window),
+            query_stretch(metadata, other + half, other + local, sliding_window),
+        ]
+
+    whole = stretches(rank, False)
+    if partner == rank or half == 0:
+        return whole, None
+
+    def busiest(swapped: bool) -> float:
+        return max(sum(s.causal_scores(sliding_window) for s in stretches(r, swapped)) for r in (rank, partner))
+
+    if busiest(True) < busiest(False):
+        return stretches(rank, True), partner
+    return whole, None
+
+
+def _attend_stretch(q, keys, values, stretch: QueryStretch, scale, sliding_window, backend) -> torch.Tensor:
+    """``q`` ([stretch tokens, Hq, D]) against its keys (per-KV-head views from ``stretch.key_start``): varlen
+    attention whose key ranges end where the query ranges end (bottom-right alignment)."""
+    lens = torch.tensor((0, *stretch.seq_lens), dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    cu_q = lens.to(device=q.device, non_blocking=True)  # once per stretch, not once per head
+    cu_k = cu_q + torch.cat([cu_q.new_zeros(1), cu_q.new_full((cu_q.numel() - 1,), stretch.keys_before)])
+    max_q = max(stretch.seq_lens)
+    max_k = max(max_q, stretch.seq_lens[0] + stretch.keys_before)
+    # One call per query head against its KV head: flash-attn 2's backward under grouped-query attention would
+    # write dk and dv for every query head over the whole key range ([keys, Hq, D] each) before summing them.
+    group = q.size(1) // len(keys)
+    kwargs = dict(scale=scale, sliding_window=sliding_window, backend=backend, cu_seqlens_k=cu_k, max_seqlen_k=max_k)
+    outputs = [
+        varlen_causal_attention(
+            q[:, head : head + 1], keys[head // group], values[head // group], cu_q, max_q, **kwargs
+        )
+        for head in range(q.size(1))
+    ]
+    return torch.cat(outputs, dim=1)
 
 
 def kv_gather_attention(
@@ -100,11 +250,13 @@ def kv_gather_attention(
     scale: float | None = None,
     sliding_window: int | None = None,
     backend: AttentionBackend = "auto",
+    balance: bool = True,
 ) -> torch.Tensor:
     """Causal varlen attention of this rank's queries against the gathered keys and values of the row.
 
     q [S/cp, Hq, D], k and v [S/cp, Hkv, D] (this rank's tokens); returns [S/cp, Hq, Dv], exactly the rows an
-    unsharded run computes for these tokens. Without CP this is plain varlen attention over ``metadata``'s
+    unsharded run computes for these tokens. ``balance``: let rank pairs swap half their queries where that evens
+    the causal work (:func:`balanced_stretches`). Without CP this is plain varlen attention over ``metadata``'s
     documents.
     """
     check_attention_shard(q, k, v, metadata, topology)
@@ -115,31 +267,40 @@ def kv_gather_attention(
             q, k, v, metadata.cu_seqlens, metadata.max_seqlen, scale=scale, sliding_window=sliding_window,
             backend=backend,
         )  # fmt: skip
-    start, end = key_range(metadata, sliding_window)
-    keys, values = gather_kv(k, v, topology, start, end)
-    before = metadata.shard_start - start  # keys of the first local document that other ranks hold
-    cu_q = metadata.local_cu_seqlens.to(device=q.device, dtype=torch.int32)  # once, not once per head
-    cu_k = cu_q + torch.cat([cu_q.new_zeros(1), cu_q.new_full((cu_q.numel() - 1,), before)])
-    max_k = max(metadata.local_max_seqlen, metadata.local_seq_lens[0] + before)
-    # One call per query head against its KV head: flash-attn 2's backward under grouped-query attention would
-    # write dk and dv for every query head over the whole key range ([keys, Hq, D] each) before summing them.
-    group = q.size(1) // k.size(1)
-    outputs = [
-        varlen_causal_attention(
-            q[:, head : head + 1],
-            keys[head // group],
-            values[head // group],
-            cu_q,
-            metadata.local_max_seqlen,
-            scale=scale,
-            sliding_window=sliding_window,
-            backend=backend,
-            cu_seqlens_k=cu_k,
-            max_seqlen_k=max_k,
+    if balance:
+        stretches, partner = balanced_stretches(metadata, sliding_window)
+    else:
+        stretches, partner = [query_stretch(metadata, metadata.shard_start, metadata.shard_end, sliding_window)], None
+    half = metadata.local_len // 2
+    q_send = q[half:] if partner is not None else None
+    gathered = _GatherKeysValues.apply(
+        k, v, q_send, topology, tuple((s.key_start, s.end) for s in stretches), partner
+    )  # fmt: skip
+    heads, per_range = k.size(1), 2 * k.size(1)
+    queries = [q] if partner is None else [q[:half], gathered[-1]]
+    outputs = []
+    for index, (stretch, q_stretch) in enumerate(zip(stretches, queries, strict=True)):
+        views = gathered[index * per_range : (index + 1) * per_range]
+        outputs.append(
+            _attend_stretch(q_stretch, views[:heads], views[heads:], stretch, scale, sliding_window, backend)
         )
-        for head in range(q.size(1))
-    ]
-    return torch.cat(outputs, dim=1)
+    if partner is None:
+        return outputs[0]
+    # The partner's second half goes back to it; ours comes back from it.
+    return torch.cat([outputs[0], _SwapWithPartner.apply(outputs[1], partner, topology)])
+
+
+class _SwapWithPartner(torch.autograd.Function):
+    """Exchange a tensor with the partner rank; backward exchanges the gradients back."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, partner: int, topology: CPTopology) -> torch.Tensor:
+        ctx.partner, ctx.topology = partner, topology
+        return _swap_with(tensor, partner, topology)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _swap_with(grad.contiguous(), ctx.partner, ctx.topology), None, None
 
 
 AttentionCPStyle = Literal["auto", "ulysses", "kv_gather"]

@@ -284,17 +284,30 @@ def ulysses_attention_bytes(
 
 
 def kv_gather_attention_bytes(
-    seq_len: int, cp: int, kv_heads: int, head_dim: int, elem: int = 2, *, recompute: bool = False
+    seq_len: int,
+    cp: int,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    elem: int = 2,
+    *,
+    recompute: bool = False,
+    balance: bool = True,
 ) -> int:
-    """Bytes one rank sends per all-gather-KV attention layer and row, forward + backward.
+    """Bytes one rank sends per all-gather-KV attention layer and row, forward + backward, for one document spanning
+    the row (the busiest case).
 
     ``2 (cp-1) (S/cp) 2 Hkv D elem``: forward the shard's k|v to every other rank (all-gather); backward the row's
-    k|v gradients reduce-scattered, ``(cp-1)/cp`` of ``S 2 Hkv D``. ``recompute``: activation checkpointing
-    re-runs the forward (half of it) in backward.
+    k|v gradients reduce-scattered, ``(cp-1)/cp`` of ``S 2 Hkv D``. ``balance`` (cp_core's default): rank pairs swap
+    the second halves of their shards' queries and, back, their outputs; backward the output gradients and the
+    query gradients: ``4 (S/cp - S/cp // 2) Hq D elem`` (every rank but the middle one of an odd cp, which keeps
+    its queries). ``recompute``: activation checkpointing re-runs the forward (half of it) in backward.
     """
     if cp == 1:
         return 0
-    total = 2 * (cp - 1) * (seq_len // cp) * 2 * kv_heads * head_dim * elem
+    local = seq_len // cp
+    swap = 4 * (local - local // 2) * q_heads * head_dim * elem if balance and local > 1 else 0
+    total = 2 * (cp - 1) * local * 2 * kv_heads * head_dim * elem + swap
     return total + (total // 2 if recompute else 0)
 
 
@@ -985,8 +998,8 @@ def _layer_rows(
         if kind == "attention":
             q, kv, d = text_config.num_attention_heads, text_config.num_key_value_heads, _head_dim(text_config)
             if attention_strategy(text_config, cp, attention_cp) == "kv_gather":
-                per_layer = kv_gather_attention_bytes(seq_len, cp, kv, d, elem, recompute=recompute)
-                strategy, comm = "all-gather K|V of the row (uneven work)", "all_gather"
+                per_layer = kv_gather_attention_bytes(seq_len, cp, q, kv, d, elem, recompute=recompute)
+                strategy, comm = "all-gather K|V of the row, half the queries swapped per rank pair", "all_gather"
             else:
                 per_layer = ulysses_attention_bytes(seq_len, cp, q, kv, d, elem, recompute=recompute)
                 strategy, comm = f"Ulysses all-to-all, KV heads x{max(1, cp // kv)}", "all_to_all"
