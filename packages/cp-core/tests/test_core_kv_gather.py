@@ -280,7 +280,11 @@ def _kv_gather_case(
     scale: float | None = None,
     sliding_window: int | None = None,
     balance: bool = True,
+    strided: bool = False,
 ) -> torch.Tensor:
+    if strided:  # the same values, dense but not contiguous (the swap's receive buffer must still be contiguous)
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+        assert not q.is_contiguous()
     return kv_gather_attention(
         q, k, v, metadata, topology, scale=scale, sliding_window=sliding_window, backend="torch", balance=balance
     )  # fmt: skip
@@ -320,6 +324,7 @@ def _parity_configs(cp: int) -> dict[str, dict]:
         "v_dim": {"q_heads": 4, "kv_heads": 1, "v_dim": HEAD_DIM + 4},  # separate gathers for k and v
         "v_dim_window": {"q_heads": 2, "kv_heads": 1, "v_dim": HEAD_DIM - 2, "sliding_window": 7},
         "unbalanced": {"q_heads": 4, "kv_heads": 2, "balance": False},  # every rank keeps its own queries
+        "strided_q": {"q_heads": 4, "kv_heads": 2, "strided": True},
     }
 
 
@@ -330,8 +335,10 @@ def test_kv_gather_parity_over_layout_cases(workers, config_name):
     config = _parity_configs(cp)[config_name]
     q_heads, kv_heads = config["q_heads"], config["kv_heads"]
     window = config.get("sliding_window")
+    balance = config.get("balance", True)
     case = functools.partial(
-        _kv_gather_case, scale=config.get("scale"), sliding_window=window, balance=config.get("balance", True)
+        _kv_gather_case, scale=config.get("scale"), sliding_window=window, balance=balance,
+        strided=config.get("strided", False),
     )  # fmt: skip
     layouts = dict(layout_cases(TOTAL, cp))
     rng = random.Random(cp * 1000 + q_heads)
@@ -342,7 +349,8 @@ def test_kv_gather_parity_over_layout_cases(workers, config_name):
         for lens in layouts.values()
         for r in range(cp)
     )
-    assert swaps > 0  # the layouts exercise the query swap (where balance is on)
+    if balance:
+        assert swaps > 0  # the layouts exercise the query swap
     failures = []
     for index, (layout, seq_lens) in enumerate(layouts.items()):
         seed = 100 * index + q_heads + kv_heads
@@ -370,3 +378,30 @@ def test_kv_gather_agrees_with_ulysses(workers):
         v = randn(TOTAL, 2, HEAD_DIM, seed=index + 2)
         for difference in workers.run(_both_strategies, seq_lens, q, k, v):
             assert difference < 1e-5, (seq_lens, difference)
+
+
+@pytest.mark.parametrize("workers", (3,), indirect=True, ids=lambda cp: f"cp{cp}")
+def test_kv_gather_parity_odd_cp_and_odd_shards(workers):
+    """cp 3 (the middle rank keeps its queries while ranks 0 and 2 swap) with 7 tokens per rank (halves of 3 and 4
+    tokens) and 1 token per rank (nothing to swap): exact against the unsharded run, with and without a window."""
+    cp = workers.world_size
+    for local in (7, 1):
+        total = cp * local
+        layouts = {"one_document": [total], "first_token_alone": [1, total - 1]}
+        if local > 1:
+            layouts["random"] = random_seq_lens(total, random.Random(local))
+            plans = [balanced_stretches(build_packed_metadata([total], r, cp))[1] for r in range(cp)]
+            assert plans == [2, None, 0]
+        for window in (None, 2):
+            for index, seq_lens in enumerate(layouts.values()):
+                seed = 10 * index + local
+                inputs = {
+                    "q": randn(total, 2, HEAD_DIM, seed=seed),
+                    "k": randn(total, 1, HEAD_DIM, seed=seed + 1),
+                    "v": randn(total, 1, HEAD_DIM, seed=seed + 2),
+                }
+                case = functools.partial(_kv_gather_case, sliding_window=window)
+                report = check_cp_parity(
+                    workers, case, seq_lens=seq_lens, inputs=inputs, seq_dims={"q": 0, "k": 0, "v": 0}, seed=seed
+                )
+                report.assert_close(rtol=1e-5)

@@ -293,6 +293,7 @@ def kv_gather_attention_bytes(
     *,
     recompute: bool = False,
     balance: bool = True,
+    v_head_dim: int | None = None,
 ) -> int:
     """Bytes one rank sends per all-gather-KV attention layer and row, forward + backward, for one document spanning
     the row (the busiest case).
@@ -300,14 +301,15 @@ def kv_gather_attention_bytes(
     ``2 (cp-1) (S/cp) 2 Hkv D elem``: forward the shard's k|v to every other rank (all-gather); backward the row's
     k|v gradients reduce-scattered, ``(cp-1)/cp`` of ``S 2 Hkv D``. ``balance`` (cp_core's default): rank pairs swap
     the second halves of their shards' queries and, back, their outputs; backward the output gradients and the
-    query gradients: ``4 (S/cp - S/cp // 2) Hq D elem`` (every rank but the middle one of an odd cp, which keeps
-    its queries). ``recompute``: activation checkpointing re-runs the forward (half of it) in backward.
+    query gradients: ``2 (S/cp - S/cp // 2) Hq (D + Dv) elem`` (``Dv``: ``v_head_dim``, default ``head_dim``;
+    every rank but the middle one of an odd cp, which keeps its queries). ``k`` and ``v`` of different head dims
+    are gathered apart, the same bytes when ``Dv = D``. ``recompute``: activation checkpointing re-runs the forward (half of it) in backward.
     """
     if cp == 1:
         return 0
-    local = seq_len // cp
-    swap = 4 * (local - local // 2) * q_heads * head_dim * elem if balance and local > 1 else 0
-    total = 2 * (cp - 1) * local * 2 * kv_heads * head_dim * elem + swap
+    local, dv = seq_len // cp, head_dim if v_head_dim is None else v_head_dim
+    swap = 2 * (local - local // 2) * q_heads * (head_dim + dv) * elem if balance and local > 1 else 0
+    total = 2 * (cp - 1) * local * kv_heads * (head_dim + dv) * elem + swap
     return total + (total // 2 if recompute else 0)
 
 
