@@ -14,12 +14,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from cp_core.errors import ContextParallelError
 from cp_core.kernels import RecurrentBackend, fla_varlen_kwargs, resolve_recurrent_backend
 from cp_core.packing import PackedRowMetadata, position_ids_from_seq_lens
+from cp_core.sharding import exchange_p2p
 from cp_core.topology import CPTopology
 
 ACTIVATIONS = (None, "silu")
@@ -134,21 +134,6 @@ def _needs_halo(metadata: PackedRowMetadata, rank: int) -> bool:
     return 0 < rank < metadata.cp_size and metadata.doc_start_rank_by_rank[rank] < rank
 
 
-def _exchange(tensor: torch.Tensor | None, recv_shape, send_to: int | None, recv_from: int | None, topology):
-    received = None
-    ops = []
-    group = topology.group
-    if send_to is not None:
-        ops.append(dist.P2POp(dist.isend, tensor.contiguous(), dist.get_global_rank(group, send_to), group))
-    if recv_from is not None:
-        received = torch.empty(recv_shape, dtype=tensor.dtype, device=tensor.device)
-        ops.append(dist.P2POp(dist.irecv, received, dist.get_global_rank(group, recv_from), group))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    return received
-
-
 class _Halo(torch.autograd.Function):
     """The previous rank's last ``W-1`` rows (zeros where no halo is needed); backward sends their gradient back."""
 
@@ -158,13 +143,13 @@ class _Halo(torch.autograd.Function):
         ctx.send_grad_to = rank - 1 if _needs_halo(metadata, rank) else None
         ctx.recv_grad_from = rank + 1 if _needs_halo(metadata, rank + 1) else None
         ctx.halo_len, ctx.topology, ctx.x_shape = halo_len, topology, x.shape
-        halo = _exchange(x[-halo_len:], (halo_len, x.size(1)), ctx.recv_grad_from, ctx.send_grad_to, topology)
+        halo = exchange_p2p(x[-halo_len:], (halo_len, x.size(1)), ctx.recv_grad_from, ctx.send_grad_to, topology)
         return halo if halo is not None else x.new_zeros(halo_len, x.size(1))
 
     @staticmethod
     def backward(ctx, grad_halo: torch.Tensor):
         shape = (ctx.halo_len, grad_halo.size(1))
-        tail = _exchange(grad_halo, shape, ctx.send_grad_to, ctx.recv_grad_from, ctx.topology)
+        tail = exchange_p2p(grad_halo, shape, ctx.send_grad_to, ctx.recv_grad_from, ctx.topology)
         grad_x = grad_halo.new_zeros(ctx.x_shape)
         if tail is not None:
             grad_x[-ctx.halo_len :] = tail

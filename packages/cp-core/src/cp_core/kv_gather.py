@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 
 from cp_core.attention import AttentionBackend, check_attention_shard, varlen_causal_attention
 from cp_core.errors import ContextParallelError
 from cp_core.packing import PackedRowMetadata
+from cp_core.sharding import all_gather_rows, exchange_p2p, reduce_scatter_rows
 from cp_core.topology import CPTopology
 from cp_core.ulysses import check_ulysses_heads, ulysses_attention
 
@@ -54,8 +54,8 @@ class _GatherKeysValues(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an unused head's gradient stays None rather than a zero tensor
         ctx.heads, ctx.dims = k.size(1), (k.size(2), v.size(2))
         fused = k.size(2) == v.size(2) and k.dtype == v.dtype
-        rows = [_all_gather_rows(torch.cat([k, v], dim=1), topology)] if fused else [
-            _all_gather_rows(k, topology), _all_gather_rows(v, topology)
+        rows = [all_gather_rows(torch.cat([k, v], dim=1), topology)] if fused else [
+            all_gather_rows(k, topology), all_gather_rows(v, topology)
         ]  # fmt: skip
         ctx.fused = fused
         heads = [rows[0][:, i : i + 1] for i in range(2 * ctx.heads)] if fused else [
@@ -64,7 +64,7 @@ class _GatherKeysValues(torch.autograd.Function):
         outputs = [head[start:end] for start, end in ranges for head in heads]
         if partner is not None:
             ctx.q_like = q_send.new_empty(()).expand(q_send.shape)  # shape, dtype and device, one element
-            outputs.append(_swap_with(q_send, partner, topology))
+            outputs.append(exchange_p2p(q_send, q_send.shape, partner, partner, topology))
         return tuple(outputs)
 
     @staticmethod
@@ -75,7 +75,7 @@ class _GatherKeysValues(torch.autograd.Function):
             *grads, grad_received = grads
             if grad_received is None:  # the partner still waits for a gradient
                 grad_received = torch.zeros_like(ctx.q_like)
-            grad_q_send = _swap_with(grad_received, ctx.partner, topology)
+            grad_q_send = exchange_p2p(grad_received, grad_received.shape, ctx.partner, ctx.partner, topology)
         per_range = 2 * ctx.heads
         like = next(g for g in grads if g is not None)
         size = topology.size * ctx.local_len
@@ -89,35 +89,12 @@ class _GatherKeysValues(torch.autograd.Function):
             (start, end), head = ctx.ranges[index // per_range], index % per_range
             buffer, column = (buffers[0], head) if ctx.fused else (buffers[head // ctx.heads], head % ctx.heads)
             buffer[start:end, column : column + 1] += grad
-        locals_ = [_reduce_scatter_rows(buffer, topology) for buffer in buffers]
+        locals_ = [reduce_scatter_rows(buffer, topology) for buffer in buffers]
         if ctx.fused:
             grad_k, grad_v = locals_[0][:, : ctx.heads], locals_[0][:, ctx.heads :]
         else:
             grad_k, grad_v = locals_
         return grad_k, grad_v, grad_q_send, None, None, None
-
-
-def _all_gather_rows(local: torch.Tensor, topology: CPTopology) -> torch.Tensor:
-    row = local.new_empty((topology.size * local.size(0), *local.shape[1:]))
-    dist.all_gather_into_tensor(row, local.contiguous(), group=topology.group)
-    return row
-
-
-def _reduce_scatter_rows(row: torch.Tensor, topology: CPTopology) -> torch.Tensor:
-    local = row.new_empty((row.size(0) // topology.size, *row.shape[1:]))
-    dist.reduce_scatter_tensor(local, row, op=dist.ReduceOp.SUM, group=topology.group)
-    return local
-
-
-def _swap_with(tensor: torch.Tensor, partner: int, topology: CPTopology) -> torch.Tensor:
-    """Send ``tensor`` to ``partner`` and return the partner's tensor of the same shape."""
-    group = topology.group
-    received = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)  # contiguous, as irecv needs
-    peer = dist.get_global_rank(group, partner)
-    ops = [dist.P2POp(dist.isend, tensor.contiguous(), peer, group), dist.P2POp(dist.irecv, received, peer, group)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    return received
 
 
 def gather_kv(
@@ -178,10 +155,8 @@ def query_stretch(metadata: PackedRowMetadata, start: int, end: int, sliding_win
 def key_range(metadata: PackedRowMetadata, sliding_window: int | None = None) -> tuple[int, int]:
     """Global ``[start, end)`` of the keys this rank's queries read: from the first local document's first token
     (or the window's reach into it) to the shard's end."""
-    before = metadata.first_doc_tokens_before
-    if sliding_window is not None:
-        before = min(before, sliding_window - 1)
-    return metadata.shard_start - before, metadata.shard_end
+    own = query_stretch(metadata, metadata.shard_start, metadata.shard_end, sliding_window)
+    return own.key_start, own.end
 
 
 SWAP_GAIN = 0.97
@@ -302,11 +277,11 @@ class _SwapWithPartner(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, partner: int, topology: CPTopology) -> torch.Tensor:
         ctx.partner, ctx.topology = partner, topology
-        return _swap_with(tensor, partner, topology)
+        return exchange_p2p(tensor, tensor.shape, partner, partner, topology)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _swap_with(grad.contiguous(), ctx.partner, ctx.topology), None, None
+        return exchange_p2p(grad, grad.shape, ctx.partner, ctx.partner, ctx.topology), None, None
 
 
 AttentionCPStyle = Literal["auto", "ulysses", "kv_gather"]

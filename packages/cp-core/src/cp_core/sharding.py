@@ -54,14 +54,44 @@ def shard_mrope_positions(position_ids: torch.Tensor, topology: CPTopology) -> t
     return shard_sequence(position_ids, topology, dim=2)
 
 
+def all_gather_rows(x: torch.Tensor, topology: CPTopology) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along dim 0 in rank order (no autograd)."""
+    out = x.new_empty((topology.size * x.size(0), *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x.contiguous(), group=topology.group)
+    return out
+
+
+def reduce_scatter_rows(x: torch.Tensor, topology: CPTopology) -> torch.Tensor:
+    """This rank's ``1 / size`` of dim 0 of ``x``, summed over the ranks (no autograd)."""
+    out = x.new_empty((x.size(0) // topology.size, *x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x.contiguous(), op=dist.ReduceOp.SUM, group=topology.group)
+    return out
+
+
+def exchange_p2p(
+    tensor: torch.Tensor, recv_shape, send_to: int | None, recv_from: int | None, topology: CPTopology
+) -> torch.Tensor | None:
+    """Send ``tensor`` to group rank ``send_to`` and receive a ``recv_shape`` tensor (contiguous, ``tensor``'s dtype)
+    from ``recv_from`` in one batch; either may be None. Returns what was received (None without ``recv_from``)."""
+    received = None
+    ops = []
+    group = topology.group
+    if send_to is not None:
+        ops.append(dist.P2POp(dist.isend, tensor.contiguous(), dist.get_global_rank(group, send_to), group))
+    if recv_from is not None:
+        received = torch.empty(recv_shape, dtype=tensor.dtype, device=tensor.device)
+        ops.append(dist.P2POp(dist.irecv, received, dist.get_global_rank(group, recv_from), group))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return received
+
+
 class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, topology: CPTopology, backward: GatherBackward) -> torch.Tensor:
         ctx.topology, ctx.backward_mode = topology, backward
-        x = x.contiguous()
-        out = x.new_empty((topology.size * x.size(0), *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x, group=topology.group)
-        return out
+        return all_gather_rows(x, topology)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -69,10 +99,7 @@ class _GatherSequence(torch.autograd.Function):
         local = grad.size(0) // topology.size
         if ctx.backward_mode == "slice":
             return grad.narrow(0, topology.rank * local, local).contiguous(), None, None
-        grad = grad.contiguous()
-        out = grad.new_empty((local, *grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad, op=dist.ReduceOp.SUM, group=topology.group)
-        return out, None, None
+        return reduce_scatter_rows(grad, topology), None, None
 
 
 def gather_sequence(
