@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_session_models.sh nemotron  # Nemotron-H Nano 8l step vs transformers; Mamba layer CP speed
 #   bash benchmarks/gpu_session_models.sh scale     # simulated CP scale of 0.8B (128k .. 512k, cp 1 .. 8)
 #   bash benchmarks/gpu_session_models.sh scale-memory  # per-rank peaks at cp 2..8 (128k, 256k) vs the ideal
+#   bash benchmarks/gpu_session_models.sh mlp       # recomputing-MLP GPU test; 2B at 32k / 8k vs transformers
+#   bash benchmarks/gpu_session_models.sh mlp-more  # 0.8B / 35B-A3B 8l steps; balanced all-gathered-KV layer time
 #   bash benchmarks/gpu_session_models.sh large     # model steps of 2B and 35B-A3B 8l vs transformers
 #   bash benchmarks/gpu_session_models.sh moe-vs-hf # 35B-A3B 8l at 32k: the variants not yet recorded (transformers)
 #   bash benchmarks/gpu_session_models.sh tiled     # tiled loss + MoE combine: GPU tests, parts alone, 0.8B steps
@@ -111,6 +113,23 @@ case "${1:-tests}" in
     timeout "${SCALE_S:-300}" python3 benchmarks/simulated_scale.py --out "$OUT/kv" --shape qwen3_5-0.8b --limit-s 150 \
       --planned-bytes --warmup-tokens 4096 --baseline docs/benchmarks/simulated_scale_qwen3_5-0.8b.json \
       --points ${POINTS:-524288:16 1048576:64 2097152:64 1048576:16} 2>&1 | tee "$OUT/kv/log.txt" | grep -E "^\||^\{"
+    ;;
+  mlp)  # the MLPs that recompute their activation: GPU test; 2B at 32k / 8k vs transformers in the same run
+    versions | tee "$OUT/device.txt"
+    mkdir -p "$OUT/mlp"
+    timeout 60 python3 -m pytest -q -p no:cacheprovider packages/cp-models/tests/test_models_mlp.py 2>&1 \
+      | tee "$OUT/mlp/mlp_tests.log" | tail -3
+    timeout "${STEP_S:-500}" python3 benchmarks/model_step.py --out "$OUT/mlp" --shapes qwen3_5-2b --seq-lens 32768 8192 \
+      --limit-s 60 --first-step-limit-s 240 --reps 2 --variants cp_models "cp_models + act. ckpt" \
+      "transformers + grad. ckpt" 2>&1 | tee "$OUT/mlp/log.txt" | grep -E "^\||built"
+    ;;
+  mlp-more)  # 0.8B and 35B-A3B 8l steps with the recomputing MLPs; balanced all-gathered-KV attention time
+    mkdir -p "$OUT/mlp2" "$OUT/kv"
+    timeout "${STEP_S:-330}" python3 benchmarks/model_step.py --out "$OUT/mlp2" --shapes qwen3_5-0.8b \
+      qwen3_5-35b-a3b-8l --seq-lens 32768 8192 --limit-s 60 --first-step-limit-s 200 --reps 2 \
+      --variants cp_models "cp_models + act. ckpt" 2>&1 | tee "$OUT/mlp2/log.txt" | grep -E "^\||built"
+    timeout "${ATTN_S:-200}" python3 benchmarks/attention_cp_time.py --out "$OUT/kv/attention_cp_time.md" --reps 1 \
+      --seq-lens 131072 524288 --cps 8 16 64 2>&1 | tee "$OUT/kv/attention_time.log" | grep -E "^\|"
     ;;
   large)
     mkdir -p "$OUT/large"

@@ -1,4 +1,5 @@
-"""Pieces shared by the model files: CP wiring, norms, the tiled loss, the MoE combine, HF checkpoint I/O."""
+"""Pieces shared by the model files: CP wiring, norms, the tiled loss, the MoE combine, the MLP output, HF
+checkpoint I/O."""
 
 from __future__ import annotations
 
@@ -378,6 +379,85 @@ def combine_expert_outputs(
     inverse[order] = torch.arange(order.numel(), device=order.device)
     slots = sorted_outputs[inverse].view(*weights.shape, -1)
     return _WeightedSlotSum.apply(slots, weights, out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# MLP output: the activation recomputed in backward instead of kept
+
+
+def _linear_weight_grads(grad_out: torch.Tensor, act: torch.Tensor, ctx, weight_index: int):
+    """``down_proj``'s weight and bias gradients from its output gradient and (recomputed) input ``act``."""
+    flat_grad = grad_out.reshape(-1, grad_out.size(-1))
+    grad_weight = flat_grad.t().mm(act.reshape(-1, act.size(-1))) if ctx.needs_input_grad[weight_index] else None
+    grad_bias = flat_grad.sum(0) if ctx.needs_input_grad[weight_index + 1] else None
+    return grad_weight, grad_bias
+
+
+class _SwiGLULinear(torch.autograd.Function):
+    """``F.linear(silu(gate) * up, weight, bias)`` keeping only ``gate`` and ``up`` for backward.
+
+    Autograd on the plain expression keeps four [T, intermediate] tensors (gate, silu(gate), up, the product);
+    silu(gate) and the product are recomputed here, one elementwise pass. The backward runs the same ops autograd
+    would (mul, silu_backward, the two matmuls), so the gradients are autograd's; its extra live tensors peak at
+    three [T, intermediate] buffers.
+    """
+
+    @staticmethod
+    def forward(ctx, gate, up, weight, bias):
+        ctx.save_for_backward(gate, up, weight)
+        return F.linear(F.silu(gate) * up, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gate, up, weight = ctx.saved_tensors
+        silu = F.silu(gate)
+        grad_weight, grad_bias = _linear_weight_grads(grad_out, silu * up, ctx, 2)
+        grad_act = grad_out.matmul(weight)
+        grad_up = grad_act * silu if ctx.needs_input_grad[1] else None
+        del silu
+        grad_gate = torch.ops.aten.silu_backward(grad_act.mul_(up), gate) if ctx.needs_input_grad[0] else None
+        return grad_gate, grad_up, grad_weight, grad_bias
+
+
+class _SquaredReLULinear(torch.autograd.Function):
+    """``F.linear(relu(x)^2, weight, bias)`` keeping only ``x`` (autograd keeps relu(x) and its square)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        return F.linear(F.relu(x).square(), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        relu = F.relu(x)
+        grad_weight, grad_bias = _linear_weight_grads(grad_out, relu.square(), ctx, 1)
+        grad_x = None
+        if ctx.needs_input_grad[0]:  # pow's backward (grad * 2 relu), then relu's (zero where relu(x) <= 0)
+            grad_x = torch.ops.aten.threshold_backward(grad_out.matmul(weight).mul_(relu * 2), relu, 0)
+        return grad_x, grad_weight, grad_bias
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    """A bare ``nn.Linear`` (not a LoRA wrapper or any subclass whose forward does more)."""
+    return type(module) is nn.Linear
+
+
+def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, down_proj: nn.Module) -> torch.Tensor:
+    """``down_proj(silu(gate) * up)``, recomputing silu(gate) and the product in backward: 2 instead of 4
+    [T, intermediate] tensors kept. Any ``down_proj`` other than a plain ``nn.Linear`` (a LoRA adapter) is
+    called as is, with the plain expression."""
+    if _plain_linear(down_proj) and torch.is_grad_enabled():
+        return _SwiGLULinear.apply(gate, up, down_proj.weight, down_proj.bias)
+    return down_proj(F.silu(gate) * up)
+
+
+def squared_relu_linear(x: torch.Tensor, down_proj: nn.Module) -> torch.Tensor:
+    """``down_proj(relu(x)^2)``, recomputing relu(x)^2 in backward: 1 instead of 2 [T, intermediate] tensors
+    kept. A ``down_proj`` other than a plain ``nn.Linear`` gets the plain expression."""
+    if _plain_linear(down_proj) and torch.is_grad_enabled():
+        return _SquaredReLULinear.apply(x, down_proj.weight, down_proj.bias)
+    return down_proj(F.relu(x).square())
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ from cp_models.common import (
     combine_expert_outputs,
     embed_row,
     read_safetensors,
+    squared_relu_linear,
     strip_prefixes,
     unwrapped_names,
     write_safetensors,
@@ -312,6 +313,11 @@ class NemotronHMLP(nn.Module):
         self.act_fn = _activation(config.mlp_hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.act_fn, ReLUSquared):  # relu(x)^2 recomputed in backward, not kept
+            return squared_relu_linear(self.up_proj(x), self.down_proj)
+        return self.reference(x)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.up_proj(x)))
 
 

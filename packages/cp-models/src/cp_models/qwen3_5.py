@@ -43,6 +43,7 @@ from cp_models.common import (
     embed_row,
     read_safetensors,
     strip_prefixes,
+    swiglu_linear,
     unwrapped_names,
     write_safetensors,
 )
@@ -219,6 +220,10 @@ class Qwen35MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return swiglu_linear(self.gate_proj(x), self.up_proj(x), self.down_proj)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The plain expression, whose autograd keeps silu(gate) and the product too."""
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

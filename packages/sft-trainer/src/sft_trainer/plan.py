@@ -107,13 +107,15 @@ ACTIVATION_COEFFICIENTS: dict[str, dict[str, dict[str, float]]] = {
         },
         "transient": {"attn_gathered": 3, "attn_kv_row": 1, "attn_q": 3, "attn_q_f32": 1},
     },
-    # SwiGLU MLP: its input (hidden 1); gate_proj and up_proj outputs, silu(gate), the product (intermediate 4).
-    "qwen3_5.mlp": {"saved": {"hidden": 1, "intermediate": 4}, "transient": {"intermediate": 2}},
+    # SwiGLU MLP: its input (hidden 1); gate_proj and up_proj outputs (intermediate 2: silu(gate) and the product
+    # are recomputed in backward, cp_models.common.swiglu_linear). Backward: silu(gate), then the product's
+    # gradient, up's and gate's (at most 3 at once).
+    "qwen3_5.mlp": {"saved": {"hidden": 1, "intermediate": 2}, "transient": {"intermediate": 3}},
     # Sparse MoE, grouped GEMM: hidden 2: the input (router, shared expert, its gate) and the shared expert's
     # output (kept by the gate multiply); experts_f32 1: the router softmax; topk_dim 2: tokens gathered per
     # expert slot and the expert outputs back in token order (kept by the weighted combine,
     # cp_models.common.combine_expert_outputs); topk_moe_inter 4: [gate | up] (2), silu(gate), the product;
-    # topk_f32 2: top-k weights and their sum; topk_i64 2: gather/scatter indices; shared_inter 4: as the MLP;
+    # topk_f32 2: top-k weights and their sum; topk_i64 2: gather/scatter indices; shared_inter 2: as the MLP;
     # rows 2: the shared-expert gate logit and sigmoid. Checked against the bytes autograd saves (tests/test_trainer_plan.py, CPU).
     "qwen3_5.moe": {
         "saved": {
@@ -123,7 +125,7 @@ ACTIVATION_COEFFICIENTS: dict[str, dict[str, dict[str, float]]] = {
             "topk_moe_inter": 4,
             "topk_f32": 2,
             "topk_i64": 2,
-            "shared_inter": 4,
+            "shared_inter": 2,
             "rows": 2,
         },
         "transient": {"topk_moe_inter": 2, "topk_dim": 1, "hidden": 1},
@@ -176,12 +178,13 @@ ACTIVATION_COEFFICIENTS: dict[str, dict[str, dict[str, float]]] = {
         "saved": {"hidden": 1, "attn_gathered": 1, "attn_kv_row": 1, "attn_q": 1, "attn_q_cp": 1, "q_heads_f32": 1},
         "transient": {"attn_gathered": 3, "attn_kv_row": 1, "attn_q": 2, "attn_q_f32": 1},
     },
-    # squared-ReLU MLP: input, relu output (kept by square), the square (down_proj's input).
-    "nemotron_h.mlp": {"saved": {"hidden": 1, "intermediate": 2}, "transient": {"intermediate": 2}},
+    # squared-ReLU MLP: input, up_proj's output (relu(x)^2 is recomputed in backward,
+    # cp_models.common.squared_relu_linear). Backward: relu(x), the gradient, 2 relu(x) (at most 3 at once).
+    "nemotron_h.mlp": {"saved": {"hidden": 1, "intermediate": 1}, "transient": {"intermediate": 3}},
     # MoE, grouped GEMM: hidden 1: the input (shared expert / latent projection); hidden_f32 1: its fp32 copy
     # (the fp32 router linear); experts_f32 1: sigmoid scores; topk_dim 2: tokens per expert slot and the expert
     # outputs back in token order (kept in bf16 by the fp32 weighted combine); topk_moe_inter 2: relu output and
-    # its square; topk_f32 3: gathered, renormalized and re-ordered weights; topk_i64 2: indices; shared_inter 2:
+    # its square; topk_f32 3: gathered, renormalized and re-ordered weights; topk_i64 2: indices; shared_inter 1:
     # as the MLP; latent 1: fc2_latent_proj's input (0 without). Checked against autograd's saved bytes (CPU).
     # Transient: the fp32 copy of the expert outputs inside the weighted combine, the inner gradients.
     "nemotron_h.moe": {
@@ -193,7 +196,7 @@ ACTIVATION_COEFFICIENTS: dict[str, dict[str, dict[str, float]]] = {
             "topk_moe_inter": 2,
             "topk_f32": 3,
             "topk_i64": 2,
-            "shared_inter": 2,
+            "shared_inter": 1,
             "latent": 1,
         },
         "transient": {"topk_dim_f32": 1, "topk_moe_inter": 2, "hidden": 1},

@@ -1,0 +1,174 @@
+"""The MLP output functions that recompute the activation in backward (``swiglu_linear``, ``squared_relu_linear``)
+against the plain expressions autograd differentiates: forward and every gradient, what autograd keeps for backward,
+and the plain path for any ``down_proj`` that is not a bare ``nn.Linear`` (a LoRA adapter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from transformers import NemotronHConfig
+
+from cp_models.nemotron_h import NemotronHMLP
+from cp_models.qwen3_5 import Qwen35MLP
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _qwen_mlp(bias: bool) -> tuple[nn.Module, int]:
+    del bias  # Qwen3.5's MLP has no biases
+    return Qwen35MLP(24, 40), 40
+
+
+def _nemotron_mlp(bias: bool) -> tuple[nn.Module, int]:
+    config = NemotronHConfig(hidden_size=24, intermediate_size=40, mlp_hidden_act="relu2", mlp_bias=bias)
+    return NemotronHMLP(config), 40
+
+
+BUILDERS = pytest.mark.parametrize(
+    ("build", "bias"),
+    [(_qwen_mlp, False), (_nemotron_mlp, False), (_nemotron_mlp, True)],
+    ids=["qwen3_5", "nemotron_h", "nemotron_h_bias"],
+)
+
+
+def _init(mlp: nn.Module, dtype: torch.dtype, seed: int = 0) -> nn.Module:
+    gen = torch.Generator().manual_seed(seed)
+    for p in mlp.parameters():
+        p.data = torch.randn(p.shape, generator=gen, dtype=torch.float64).mul_(0.3).to(dtype)
+    return mlp.to(dtype)
+
+
+def _grads(mlp: nn.Module, fn, x: torch.Tensor, upstream: torch.Tensor):
+    x = x.detach().requires_grad_()
+    out = fn(x)
+    params = [p for p in mlp.parameters() if p.requires_grad]
+    grads = torch.autograd.grad((out * upstream).sum(), [x, *params])
+    return out.detach(), grads
+
+
+def _saved_bytes(fn, x: torch.Tensor, params: set[int]) -> int:
+    """Bytes of the distinct storages autograd keeps after ``fn(x)``, parameters left out."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in params and t.untyped_storage().data_ptr() not in params:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(x.detach().requires_grad_())
+    return sum(storages.values())
+
+
+@BUILDERS
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_recomputing_mlp_matches_the_plain_expression(build, bias, dtype):
+    """Tokens with negative and positive pre-activations (relu's kink, silu's sign change), a 3-D input."""
+    mlp, _ = build(bias)
+    _init(mlp, dtype)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 37, 24, generator=gen, dtype=torch.float64).to(dtype)
+    upstream = torch.randn(2, 37, 24, generator=gen, dtype=torch.float64).to(dtype)
+    out, grads = _grads(mlp, mlp, x, upstream)
+    ref_out, ref_grads = _grads(mlp, mlp.reference, x, upstream)
+    # The same ops in the same order as autograd (bitwise equal on the CPUs tried); the bound leaves room only for
+    # a BLAS that blocks the flattened weight-gradient matmul differently.
+    tol = {torch.float64: 1e-15, torch.float32: 1e-7, torch.bfloat16: 4e-3}[dtype]
+    assert rel_err(out, ref_out) <= tol
+    assert len(grads) == len(ref_grads) == 1 + len(list(mlp.parameters()))
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert rel_err(got, want) <= tol, rel_err(got, want)
+
+
+@BUILDERS
+def test_recomputing_mlp_keeps_less_for_backward(build, bias):
+    """Qwen3.5: gate and up (2 x [T, I]) instead of gate, silu(gate), up and the product (4); Nemotron-H: the
+    pre-activation (1) instead of relu(x) and its square (2). Both keep the input x for the first projections."""
+    mlp, inter = build(bias)
+    _init(mlp, torch.float32)
+    tokens = 64
+    x = torch.randn(tokens, 24)
+    params = {id(p) for p in mlp.parameters()} | {p.untyped_storage().data_ptr() for p in mlp.parameters()}
+    unit = tokens * inter * 4
+    kept_units = 2 if isinstance(mlp, Qwen35MLP) else 1
+    assert _saved_bytes(mlp, x, params) == tokens * 24 * 4 + kept_units * unit
+    assert _saved_bytes(mlp.reference, x, params) == tokens * 24 * 4 + 2 * kept_units * unit
+
+
+class _LinearWithHook(nn.Linear):
+    """A Linear subclass whose forward does more than F.linear (as a LoRA adapter's does)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2
+
+
+@BUILDERS
+def test_a_down_proj_that_is_not_a_plain_linear_runs_as_is(build, bias):
+    mlp, inter = build(bias)
+    wrapped = _LinearWithHook(inter, 24, bias=bias)
+    wrapped.load_state_dict(mlp.down_proj.state_dict())
+    mlp.down_proj = wrapped
+    _init(mlp, torch.float64)
+    x = torch.randn(5, 24, dtype=torch.float64)
+    upstream = torch.randn(5, 24, dtype=torch.float64)
+    out, grads = _grads(mlp, mlp, x, upstream)
+    ref_out, ref_grads = _grads(mlp, mlp.reference, x, upstream)
+    assert torch.equal(out, ref_out)
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert torch.equal(got, want)
+
+
+@BUILDERS
+def test_frozen_down_proj_and_no_grad(build, bias):
+    """A frozen down_proj (LoRA elsewhere, or frozen layers) gets no gradient; the other gradients are unchanged.
+    Under no_grad nothing is kept and the output is the plain expression's."""
+    mlp, _ = build(bias)
+    _init(mlp, torch.float64)
+    x = torch.randn(9, 24, dtype=torch.float64)
+    upstream = torch.randn(9, 24, dtype=torch.float64)
+    _, full = _grads(mlp, mlp, x, upstream)
+    mlp.down_proj.requires_grad_(False)
+    _, partial = _grads(mlp, mlp, x, upstream)
+    n_down = len(list(mlp.down_proj.parameters()))
+    kept = [g for g, p in zip(full[1:], mlp.parameters(), strict=True) if p.requires_grad]
+    assert len(partial) == len(full) - n_down
+    assert rel_err(partial[0], full[0]) < 1e-15
+    for got, want in zip(partial[1:], kept, strict=True):
+        assert rel_err(got, want) < 1e-15
+    with torch.no_grad():
+        assert torch.equal(mlp(x), mlp.reference(x))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_recomputing_swiglu_on_cuda_bf16_keeps_half_and_matches():
+    """The 2B shape's MLP (2048 -> 6144) on 8192 bf16 tokens: the same numbers as the plain expression (cuBLAS
+    may block the flattened weight-gradient matmul its own way) and, measured by the allocator, 2 instead of 4
+    [T, 6144] tensors kept between forward and backward."""
+    hidden, inter, tokens = 2048, 6144, 8192
+    mlp = _init(Qwen35MLP(hidden, inter), torch.bfloat16).cuda()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, tokens, hidden, generator=gen, device="cuda", dtype=torch.bfloat16)
+    upstream = torch.randn(1, tokens, hidden, generator=gen, device="cuda", dtype=torch.bfloat16)
+    out, grads = _grads(mlp, mlp, x, upstream)
+    ref_out, ref_grads = _grads(mlp, mlp.reference, x, upstream)
+    assert rel_err(out, ref_out) <= 4e-3
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert rel_err(got, want) <= 4e-3, rel_err(got, want)
+
+    def kept(fn) -> int:
+        inp = x.detach().requires_grad_()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        out = fn(inp)
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - before - out.numel() * out.element_size()
+        del out
+        return held
+
+    unit = tokens * inter * 2
+    assert abs(kept(mlp) - 2 * unit) <= unit // 100
+    assert abs(kept(mlp.reference) - 4 * unit) <= unit // 100
