@@ -65,7 +65,12 @@ def plot_tokens(out: Path) -> Path:
             )
             if variant == "cp_models + act. ckpt" and shape == "qwen3_5-0.8b":
                 points += [(r["seq_len"], r["tokens_per_s_per_gpu"]) for r in long_rows if r["variant"] == variant]
-            failed = [r for r in rows if r["shape"] == shape and r["variant"] == variant and r.get("status") != "ok"]
+            failed = [
+                r
+                for r in rows
+                if r["shape"] == shape and r["variant"] == variant and r.get("status") != "ok"
+                and not r.get("status", "").startswith("superseded")  # measured again: the newer row is plotted
+            ]  # fmt: skip
             if points:
                 xs, ys = zip(*sorted(points), strict=True)
                 ax.plot(xs, ys, line, color=color, marker="o", label=variant)

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.utils.checkpoint
 from model_step import SHAPES, build, free, load_shape, timed_steps
 
 from cp_core.testing import CommCounter, fake_process_group
@@ -102,9 +103,16 @@ def run(args, on_row) -> list[dict]:
             # so --memory-only derives no rate from it.
             started = time.perf_counter()
             first_step = plain if cp == 1 or args.memory_only or args.planned_bytes else counted
+            # Recording memory history breaks non-reentrant checkpointing's early stop when the last tensor a
+            # recomputed layer saves comes from a custom autograd Function (the MLP's): torch 2.11 raises
+            # "SystemError: ... apply ... returned NULL" (pytorch/pytorch#179536; reproduced on the H200,
+            # 2026-12-04). Without early stop the recomputation runs to the layer's end and saves the same tensors.
+            early_stop = contextlib.nullcontext()
             if args.snapshot:
                 torch.cuda.memory._record_memory_history(max_entries=args.snapshot)
-            first = timed_steps(first_step, ids, args.device, reps=1, warmup=0, limit_s=args.limit_s)
+                early_stop = torch.utils.checkpoint.set_checkpoint_early_stop(False)
+            with early_stop:
+                first = timed_steps(first_step, ids, args.device, reps=1, warmup=0, limit_s=args.limit_s)
             if args.snapshot:
                 row["peak_breakdown"] = peak_breakdown(torch.cuda.memory._snapshot())
                 torch.cuda.memory._record_memory_history(enabled=None)

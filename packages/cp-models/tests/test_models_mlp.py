@@ -143,6 +143,25 @@ def test_frozen_down_proj_and_no_grad(build, bias):
         assert torch.equal(mlp(x), mlp.reference(x))
 
 
+@BUILDERS
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_recomputing_mlp_under_activation_checkpointing(build, bias, early_stop):
+    """Inside torch's non-reentrant checkpoint, where the MLP's Function is the last op saving tensors (early stop
+    ends the recomputation there), and with early stop off (what memory-history recording needs on torch 2.11,
+    pytorch/pytorch#179536): the plain expression's gradients."""
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    mlp, _ = build(bias)
+    _init(mlp, torch.float64)
+    x = torch.randn(11, 24, dtype=torch.float64)
+    upstream = torch.randn(11, 24, dtype=torch.float64)
+    with set_checkpoint_early_stop(early_stop):
+        _, grads = _grads(mlp, lambda inp: inp + checkpoint(mlp, inp, use_reentrant=False), x, upstream)
+    _, ref_grads = _grads(mlp, lambda inp: inp + mlp.reference(inp), x, upstream)
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert rel_err(got, want) <= 1e-15
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_recomputing_swiglu_on_cuda_bf16_keeps_half_and_matches():
     """The 2B shape's MLP (2048 -> 6144) on 8192 bf16 tokens: the same numbers as the plain expression (cuBLAS

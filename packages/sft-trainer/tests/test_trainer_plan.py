@@ -380,6 +380,7 @@ def test_memory_model_is_within_fifteen_percent_of_every_recorded_h200_peak(monk
     assert {"qwen3_5-0.8b", "qwen3_5-2b", "nemotron_h-nano-8l", "qwen3_5-35b-a3b-8l"} <= shapes
     assert sum(p[2] == 1 for p in points) >= 14 and {p[2] for p in points} >= {2, 4, 8}
     assert sum(p[5] >= TILED_LOSS_RUN for p in points) >= 14  # most points ran today's code
+    assert sum(p[5] >= RECOMPUTED_MLP_RUN for p in points) >= 14  # the recomputing MLPs, every Qwen3.5 shape
     assert any(p[7] == "kv_gather" and p[2] > 8 for p in points)  # all-gathered KV past Ulysses' head limit
     configs = _benchmark_shapes(shapes)
     errors = []
