@@ -144,6 +144,22 @@ def test_frozen_down_proj_and_no_grad(build, bias):
 
 
 @BUILDERS
+def test_autocast_runs_the_plain_expression(build, bias):
+    """Under autocast (fp32 weights, bf16 compute) the Function's backward would multiply a bf16 gradient by the
+    fp32 weight; the plain expression, whose graph holds the casts, runs instead: the same output and gradients."""
+    mlp, _ = build(bias)
+    _init(mlp, torch.float32)
+    x = torch.randn(7, 24)
+    upstream = torch.randn(7, 24)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, grads = _grads(mlp, mlp, x, upstream)
+        ref_out, ref_grads = _grads(mlp, mlp.reference, x, upstream)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ref_out)
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
+
+
+@BUILDERS
 @pytest.mark.parametrize("early_stop", [True, False])
 def test_recomputing_mlp_under_activation_checkpointing(build, bias, early_stop):
     """Inside torch's non-reentrant checkpoint, where the MLP's Function is the last op saving tensors (early stop

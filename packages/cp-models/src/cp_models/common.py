@@ -438,24 +438,26 @@ class _SquaredReLULinear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias
 
 
-def _plain_linear(module: nn.Module) -> bool:
-    """A bare ``nn.Linear`` (not a LoRA wrapper or any subclass whose forward does more)."""
-    return type(module) is nn.Linear
+def _recompute_applies(x: torch.Tensor, module: nn.Module) -> bool:
+    """Whether the recomputing Functions apply: autograd is recording, ``module`` is a bare ``nn.Linear`` (not a
+    LoRA wrapper or any subclass whose forward does more), and autocast is off (its casts live in the graph of the
+    plain expression; the Functions' backward would meet the uncast weight)."""
+    return torch.is_grad_enabled() and type(module) is nn.Linear and not torch.is_autocast_enabled(x.device.type)
 
 
 def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, down_proj: nn.Module) -> torch.Tensor:
     """``down_proj(silu(gate) * up)``, recomputing silu(gate) and the product in backward: 2 instead of 4
-    [T, intermediate] tensors kept. Any ``down_proj`` other than a plain ``nn.Linear`` (a LoRA adapter) is
-    called as is, with the plain expression."""
-    if _plain_linear(down_proj) and torch.is_grad_enabled():
+    [T, intermediate] tensors kept. Any ``down_proj`` other than a plain ``nn.Linear`` (a LoRA adapter), and
+    autocast, get the plain expression."""
+    if _recompute_applies(gate, down_proj):
         return _SwiGLULinear.apply(gate, up, down_proj.weight, down_proj.bias)
     return down_proj(F.silu(gate) * up)
 
 
 def squared_relu_linear(x: torch.Tensor, down_proj: nn.Module) -> torch.Tensor:
     """``down_proj(relu(x)^2)``, recomputing relu(x)^2 in backward: 1 instead of 2 [T, intermediate] tensors
-    kept. A ``down_proj`` other than a plain ``nn.Linear`` gets the plain expression."""
-    if _plain_linear(down_proj) and torch.is_grad_enabled():
+    kept. A ``down_proj`` other than a plain ``nn.Linear``, and autocast, get the plain expression."""
+    if _recompute_applies(x, down_proj):
         return _SquaredReLULinear.apply(x, down_proj.weight, down_proj.bias)
     return down_proj(F.relu(x).square())
 
