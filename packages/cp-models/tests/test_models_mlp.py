@@ -125,7 +125,7 @@ def test_a_down_proj_that_is_not_a_plain_linear_runs_as_is(build, bias):
 @BUILDERS
 def test_frozen_down_proj_and_no_grad(build, bias):
     """A frozen down_proj (LoRA elsewhere, or frozen layers) gets no gradient; the other gradients are unchanged.
-    Under no_grad nothing is kept and the output is the plain expression's."""
+    Under no_grad the output is the plain expression's."""
     mlp, _ = build(bias)
     _init(mlp, torch.float64)
     x = torch.randn(9, 24, dtype=torch.float64)
@@ -151,12 +151,32 @@ def test_autocast_runs_the_plain_expression(build, bias):
     _init(mlp, torch.float32)
     x = torch.randn(7, 24)
     upstream = torch.randn(7, 24)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out, grads = _grads(mlp, mlp, x, upstream)
-        ref_out, ref_grads = _grads(mlp, mlp.reference, x, upstream)
+    results = []
+    for fn in (mlp, mlp.reference):
+        inp = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn(inp)
+        # backward outside autocast, as training loops run it
+        results.append((out, torch.autograd.grad((out.float() * upstream).sum(), [inp, *mlp.parameters()])))
+    (out, grads), (ref_out, ref_grads) = results
     assert out.dtype == torch.bfloat16 and torch.equal(out, ref_out)
     for got, want in zip(grads, ref_grads, strict=True):
         assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
+
+
+@BUILDERS
+def test_hooks_on_down_proj_and_the_meta_device(build, bias):
+    """A forward hook on down_proj runs (the plain expression calls the module); a forward on the meta device
+    (shape inference) works."""
+    mlp, _ = build(bias)
+    _init(mlp, torch.float64)
+    x = torch.randn(6, 24, dtype=torch.float64, requires_grad=True)
+    handle = mlp.down_proj.register_forward_hook(lambda module, args, out: out * 0)
+    assert torch.count_nonzero(mlp(x)) == 0
+    handle.remove()
+    assert torch.count_nonzero(mlp(x)) > 0
+    meta = build(bias)[0].to("meta")
+    assert meta(torch.empty(3, 24, device="meta", requires_grad=True)).shape == (3, 24)
 
 
 @BUILDERS

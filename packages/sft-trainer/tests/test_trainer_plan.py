@@ -491,11 +491,14 @@ def _bytes_saved_for_backward(module: torch.nn.Module, run) -> int:
 
 
 @pytest.mark.skipif(not hasattr(torch.nn.functional, "grouped_mm"), reason="torch without grouped_mm")
+@pytest.mark.parametrize("lora_down", [False, True], ids=["full", "lora_down_proj"])
 @pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
-def test_moe_saved_bytes_equal_what_autograd_saves_on_the_grouped_path(family):
+def test_moe_saved_bytes_equal_what_autograd_saves_on_the_grouped_path(family, lora_down):
     """The MoE's "saved" coefficients against the bytes autograd keeps for backward on the grouped-GEMM path
     (the CUDA bf16 path; grouped_mm also runs on CPU), per token: the slope between two lengths, so per-call
-    constants (the fp32 router weight) drop out."""
+    constants (the fp32 router weight) drop out. With a LoRA adapter on down_proj the shared expert runs the plain
+    MLP expression, which keeps more (the planner's ``plain_mlp``); the adapter's own rank-1 activations are
+    within the tolerance."""
     from cp_models.nemotron_h import NemotronHMoE
     from cp_models.qwen3_5 import Qwen35SparseMoeBlock
 
@@ -506,6 +509,11 @@ def test_moe_saved_bytes_equal_what_autograd_saves_on_the_grouped_path(family):
         config = tiny_nemotron_h_config()
         block = NemotronHMoE(config)
     block = block.to(torch.bfloat16)
+    if lora_down:
+        from sft_trainer.lora import apply_lora
+
+        assert apply_lora(block, ["down_proj"], rank=1, alpha=1.0) == 1  # the shared expert's (experts: stacked)
+        block.requires_grad_(True)  # as full fine-tuning counts (frozen weights keep less: the upper bound)
     for module in block.modules():
         if hasattr(module, "_grouped"):  # what forward picks on CUDA bf16
             module.forward = module._grouped
@@ -516,7 +524,7 @@ def test_moe_saved_bytes_equal_what_autograd_saves_on_the_grouped_path(family):
         return _bytes_saved_for_backward(block, lambda: block(x))
 
     counted = (saved_bytes(512) - saved_bytes(256)) / 256
-    planned = plan.activation_bytes_per_token(config, 1)["moe"]["saved"]
+    planned = plan.activation_bytes_per_token(config, 1, plain_mlp=lora_down)["moe"]["saved"]
     assert planned == pytest.approx(counted, rel=0.03), (planned, counted)
 
 
@@ -794,3 +802,17 @@ def test_vl_plan_counts_the_vision_tower(capsys):
         model = Qwen35VLForConditionalGeneration(resolve_model_config(cfg.model, vocab_size=vocab))
     assert result["model"]["parameters"] == sum(p.numel() for p in model.parameters())
     assert result["model"]["vision_parameters"] > 0 and result["notes"]
+
+
+def test_lora_on_down_proj_counts_the_plain_mlp():
+    """A LoRA adapter on down_proj makes the MLP run its plain expression (2 more [T, intermediate] tensors kept per
+    Qwen3.5 layer); adapters elsewhere leave the recomputing MLP in place."""
+    config = shipped("qwen3_5-0.8b")
+    kw = dict(activation_checkpointing=False, optimizer=False, lora=True)
+
+    def activations(targets):
+        return plan.estimate_memory(config, 8192, 1, lora_targets=targets, **kw).activations
+
+    extra = 8192 * config.num_hidden_layers * 2 * config.intermediate_size * 2
+    assert activations(["q_proj", "down_proj"]) - activations(["q_proj"]) == extra
+    assert activations(["q_proj", "up_proj"]) == activations(["q_proj"])

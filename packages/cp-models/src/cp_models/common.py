@@ -439,10 +439,16 @@ class _SquaredReLULinear(torch.autograd.Function):
 
 
 def _recompute_applies(x: torch.Tensor, module: nn.Module) -> bool:
-    """Whether the recomputing Functions apply: autograd is recording, ``module`` is a bare ``nn.Linear`` (not a
-    LoRA wrapper or any subclass whose forward does more), and autocast is off (its casts live in the graph of the
-    plain expression; the Functions' backward would meet the uncast weight)."""
-    return torch.is_grad_enabled() and type(module) is nn.Linear and not torch.is_autocast_enabled(x.device.type)
+    """Whether the recomputing Functions apply: autograd is recording; ``module`` is a bare ``nn.Linear`` (not a
+    LoRA wrapper or any subclass whose forward does more) without forward hooks of its own (the Functions read its
+    weight and never call it; global hooks, which observers such as module trackers register, do not switch the
+    path, so what they observe is what runs without them); autocast is off (its casts live in the graph of the
+    plain expression, and the Functions' backward would meet the uncast weight)."""
+    if not torch.is_grad_enabled() or type(module) is not nn.Linear:
+        return False
+    if module._forward_hooks or module._forward_pre_hooks:
+        return False
+    return x.device.type == "meta" or not torch.is_autocast_enabled(x.device.type)
 
 
 def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, down_proj: nn.Module) -> torch.Tensor:

@@ -668,6 +668,17 @@ def _parts(family: str, kind: str, cp: int, mamba_cp_style: str, rank: int | Non
     return parts
 
 
+# What an MLP keeps on top of its coefficients above when its down_proj carries a LoRA adapter: the recomputing
+# Functions (cp_models.common.swiglu_linear / squared_relu_linear) need a bare nn.Linear, so the plain expression
+# runs and autograd keeps silu(gate) and the product (relu(x) and its square).
+PLAIN_MLP_EXTRA_SAVED: dict[str, dict[str, float]] = {
+    "qwen3_5.mlp": {"intermediate": 2},
+    "qwen3_5.moe": {"shared_inter": 2},
+    "nemotron_h.mlp": {"intermediate": 1},
+    "nemotron_h.moe": {"shared_inter": 1},
+}
+
+
 def activation_bytes_per_token(
     text_config,
     cp: int,
@@ -675,11 +686,12 @@ def activation_bytes_per_token(
     mamba_cp_style: str = "state_passing",
     rank: int | None = None,
     attention_cp: str = "ulysses",
+    plain_mlp: bool = False,
 ) -> dict[str, dict[str, float]]:
     """Bytes per local token, per layer part kind: ``{"gdn": {"saved": ..., "transient": ...}, ...}``, plus
     ``"block"`` (the norms around each layer) and ``"model"`` (once per model). ``rank``: a CP rank of one
     document spanning the row (the first runs GDN's pre-pass, the middle ones pass the state through, the last does
-    neither); None is the busiest rank."""
+    neither); None is the busiest rank. ``plain_mlp``: the MLPs run the plain expression (LoRA on down_proj)."""
     family, widths = _family(text_config), layer_widths(text_config, cp, mamba_cp_style, rank, attention_cp)
     kinds = {k for pair in layer_kinds(text_config) for k in pair if k} | {"block", "model"}
     out = {}
@@ -689,6 +701,9 @@ def activation_bytes_per_token(
             phase: sum(_term_bytes(ACTIVATION_COEFFICIENTS[p].get(phase, {}), widths, elem) for p in parts)
             for phase in ("saved", "transient")
         }
+        if plain_mlp:
+            extra = [PLAIN_MLP_EXTRA_SAVED[p] for p in parts if p in PLAIN_MLP_EXTRA_SAVED]
+            out[kind]["saved"] += sum(_term_bytes(e, widths, elem) for e in extra)
     return out
 
 
@@ -795,7 +810,8 @@ def estimate_memory(
     ``parallel.fsdp``); otherwise a full replica in ``dtype``. ``optimizer=False, fsdp_world=1`` is one
     forward + backward of a ``dtype`` model: weights and gradients in ``dtype``, no optimizer (the benchmark
     setting). ``lora``: only adapters (``lora_targets``, default the trainer's, rank ``lora_rank``) get gradients
-    and optimizer state; activations are counted as for full fine-tuning (an upper bound). ``rank``: the estimate
+    and optimizer state; activations are counted as for full fine-tuning (an upper bound), with the MLPs' plain
+    expression where ``down_proj`` is a target. ``rank``: the estimate
     of that CP rank rather than the busiest (see :func:`activation_bytes_per_token`). ``attention_cp``: as
     ``parallel.attention_cp`` ("ulysses", the default, "kv_gather" or "auto").
     """
@@ -827,7 +843,8 @@ def estimate_memory(
     t = seq_len // cp
     if rank is not None and not 0 <= rank < cp:
         raise ValueError(f"rank={rank} is not a rank of cp={cp}")
-    per_token = activation_bytes_per_token(text_config, cp, elem, mamba_cp_style, rank, attention_cp)
+    plain_mlp = bool(targets) and "down_proj" in targets  # an adapter on down_proj: the plain MLP expression
+    per_token = activation_bytes_per_token(text_config, cp, elem, mamba_cp_style, rank, attention_cp, plain_mlp)
     blocks = []  # (saved, transient) per decoder block, bytes per local token
     for mixer, ffn in layer_kinds(text_config):
         common, mix = per_token["block"], per_token[mixer]
