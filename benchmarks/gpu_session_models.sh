@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_session_models.sh scale-memory  # per-rank peaks at cp 2..8 (128k, 256k) vs the ideal
 #   bash benchmarks/gpu_session_models.sh mlp       # recomputing-MLP GPU test; 2B at 32k / 8k vs transformers
 #   bash benchmarks/gpu_session_models.sh mlp-more  # 0.8B / 35B-A3B 8l steps; balanced all-gathered-KV layer time
+#   bash benchmarks/gpu_session_models.sh followup  # 256k / cp 4 snapshot; Nemotron-H step; 512k / cp 16 balanced
 #   bash benchmarks/gpu_session_models.sh large     # model steps of 2B and 35B-A3B 8l vs transformers
 #   bash benchmarks/gpu_session_models.sh moe-vs-hf # 35B-A3B 8l at 32k: the variants not yet recorded (transformers)
 #   bash benchmarks/gpu_session_models.sh tiled     # tiled loss + MoE combine: GPU tests, parts alone, 0.8B steps
@@ -130,6 +131,19 @@ case "${1:-tests}" in
       --variants cp_models "cp_models + act. ckpt" 2>&1 | tee "$OUT/mlp2/log.txt" | grep -E "^\||built"
     timeout "${ATTN_S:-200}" python3 benchmarks/attention_cp_time.py --out "$OUT/kv/attention_cp_time.md" --reps 1 \
       --seq-lens 131072 524288 --cps 8 16 64 2>&1 | tee "$OUT/kv/attention_time.log" | grep -E "^\|"
+    ;;
+  followup)  # what 2026-12-04m left: the 256k / cp 4 peak's allocation sites (snapshot, early stop off); the
+    # Nemotron-H step with its recomputing MLP; a simulated 512k / cp 16 step with balanced all-gathered KV
+    versions | tee "$OUT/device.txt"
+    mkdir -p "$OUT/peaks" "$OUT/nemotron" "$OUT/kv"
+    timeout 200 python3 benchmarks/simulated_scale.py --out "$OUT/peaks" --shape qwen3_5-0.8b --limit-s 150 \
+      --memory-only --warmup-tokens 4096 --snapshot 500000 --points 262144:4 2>&1 | tee "$OUT/peaks/log.txt" | grep -E "^\|"
+    timeout 200 python3 benchmarks/model_step.py --out "$OUT/nemotron" --shapes nemotron_h-nano-8l --seq-lens 32768 8192 \
+      --limit-s 60 --first-step-limit-s 150 --reps 2 --variants cp_models "cp_models + act. ckpt" 2>&1 \
+      | tee "$OUT/nemotron/log.txt" | grep -E "^\||built"
+    timeout "${SCALE_S:-180}" python3 benchmarks/simulated_scale.py --out "$OUT/kv" --shape qwen3_5-0.8b --limit-s 150 \
+      --planned-bytes --warmup-tokens 4096 --baseline docs/benchmarks/simulated_scale_qwen3_5-0.8b.json \
+      --points ${POINTS:-524288:16} 2>&1 | tee "$OUT/kv/log.txt" | grep -E "^\||^\{"
     ;;
   large)
     mkdir -p "$OUT/large"
