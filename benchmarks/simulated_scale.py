@@ -107,11 +107,9 @@ def run(args, on_row) -> list[dict]:
             # recomputed layer saves comes from a custom autograd Function (the MLP's): torch 2.11 raises
             # "SystemError: ... apply ... returned NULL" (pytorch/pytorch#179536; reproduced on the H200,
             # 2026-12-04). Without early stop the recomputation runs to the layer's end and saves the same tensors.
-            early_stop = contextlib.nullcontext()
             if args.snapshot:
                 torch.cuda.memory._record_memory_history(max_entries=args.snapshot)
-                early_stop = torch.utils.checkpoint.set_checkpoint_early_stop(False)
-            with early_stop:
+            with torch.utils.checkpoint.set_checkpoint_early_stop(not args.snapshot):
                 first = timed_steps(first_step, ids, args.device, reps=1, warmup=0, limit_s=args.limit_s)
             if args.snapshot:
                 row["peak_breakdown"] = peak_breakdown(torch.cuda.memory._snapshot())

@@ -354,18 +354,16 @@ squared_relu_linear); rows recorded before it ran MLPs whose autograd kept the a
 
 
 def _as_before_the_recomputed_mlp(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The planner as it modelled the MLPs of rows recorded before RECOMPUTED_MLP_RUN: Qwen3.5's SwiGLU kept gate,
-    up, silu(gate) and the product (4 units, backward transient 2), Nemotron-H's relu(x) and its square (2, 2);
-    the MoE shared experts likewise."""
+    """The planner as it modelled the MLPs of rows recorded before RECOMPUTED_MLP_RUN: the plain expression's saved
+    set (``plan.PLAIN_MLP_EXTRA_SAVED`` on top: Qwen3.5 4 units, Nemotron-H 2, the MoE shared experts likewise) and
+    a backward transient of 2 units."""
     coefficients = plan.ACTIVATION_COEFFICIENTS
-    monkeypatch.setitem(
-        coefficients, "qwen3_5.mlp", {"saved": {"hidden": 1, "intermediate": 4}, "transient": {"intermediate": 2}}
-    )
-    monkeypatch.setitem(
-        coefficients, "nemotron_h.mlp", {"saved": {"hidden": 1, "intermediate": 2}, "transient": {"intermediate": 2}}
-    )
-    monkeypatch.setitem(coefficients["qwen3_5.moe"]["saved"], "shared_inter", 4)
-    monkeypatch.setitem(coefficients["nemotron_h.moe"]["saved"], "shared_inter", 2)
+    for part, extra in plan.PLAIN_MLP_EXTRA_SAVED.items():
+        saved = coefficients[part]["saved"]
+        for width, units in extra.items():
+            monkeypatch.setitem(saved, width, saved[width] + units)
+    for part in ("qwen3_5.mlp", "nemotron_h.mlp"):
+        monkeypatch.setitem(coefficients[part]["transient"], "intermediate", 2)
 
 
 def test_memory_model_is_within_fifteen_percent_of_every_recorded_h200_peak(monkeypatch):
