@@ -332,6 +332,88 @@ def test_parity_detects_a_missing_state_pass(workers):
 
 
 # --------------------------------------------------------------------------------------------------------
+# The GDN pre-pass in checkpointed segments (long shards)
+
+SEGMENT_LOCAL = 200  # tokens a rank: the pre-pass crosses several 64-token segments and ends on a partial one
+
+
+def _gdn_segmented_case(module, metadata, topology, *, segment, **inputs):
+    return gated_delta_rule_cp(
+        **inputs, metadata=metadata, topology=topology, qk_l2norm=True, backend="torch", prepass_segment_tokens=segment
+    )
+
+
+def _segment_layouts(cp: int) -> dict[str, list[int]]:
+    total = SEGMENT_LOCAL * cp
+    rng = torch.Generator().manual_seed(cp)
+    layouts = {
+        "one_document": [total],  # middle ranks pass the state through: 200 = 64 + 64 + 64 + 8
+        "tail_of_one_segment": [SEGMENT_LOCAL - 50, total - SEGMENT_LOCAL + 50],  # rank 0's pre-pass: 50 tokens
+        "tail_of_two_segments": [SEGMENT_LOCAL - 70, total - SEGMENT_LOCAL + 70],  # 64 + 6
+        "cut_on_a_segment_edge": [SEGMENT_LOCAL - 128, total - SEGMENT_LOCAL + 128],  # 64 + 64
+    }
+    for draw in range(3):  # random cuts, some documents spanning 3+ ranks at cp 4
+        cuts = sorted(torch.randperm(total - 1, generator=rng)[: 2 + draw].add(1).tolist())
+        layouts[f"random_{draw}"] = [b - a for a, b in itertools.pairwise([0, *cuts, total])]
+    return layouts
+
+
+@with_workers
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_gdn_prepass_in_segments_matches_unsharded(workers, dtype):
+    """64-token checkpointed segments, one segment, and the unsegmented pre-pass all give the unsharded output
+    and gradients (fp64: to rounding; fp32: 1e-5 of each tensor's largest entry)."""
+    cp = workers.world_size
+    rtol = 1e-10 if dtype == torch.float64 else FP32_RTOL
+    failures = []
+    for index, (layout, seq_lens) in enumerate(_segment_layouts(cp).items()):
+        inputs = gdn_inputs(SEGMENT_LOCAL * cp, 300 + index, dtype, ratio=2)
+        for segment in (64, 16384, None):
+            case = functools.partial(_gdn_segmented_case, segment=segment)
+            report = check_cp_parity(workers, case, seq_lens=seq_lens, inputs=inputs, seq_dims=GDN_SEQ_DIMS)
+            assert set(report.relative) == {"out", *(f"grad.{n}" for n in inputs)}, report.relative
+            try:
+                report.assert_close(rtol=rtol)
+            except AssertionError as exc:
+                failures.append(f"{layout} {seq_lens} segment={segment}: {exc}")
+    assert not failures, f"cp={cp}:\n" + "\n".join(failures)
+
+
+def _gdn_prepass_saved_bytes(topology, segment):
+    """Bytes autograd keeps for backward on this rank, for a one-document row."""
+    total = SEGMENT_LOCAL * topology.size
+    metadata = build_packed_metadata([total], topology.rank, topology.size)
+    inputs = gdn_inputs(total, 7, torch.float32, ratio=2)
+    local = {n: x[metadata.shard_start : metadata.shard_end].clone().requires_grad_() for n, x in inputs.items()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = gated_delta_rule_cp(
+            **local, metadata=metadata, topology=topology, backend="torch", prepass_segment_tokens=segment
+        )
+    out.sum().backward()
+    return sum(saved.values())
+
+
+@with_workers
+def test_segmented_prepass_keeps_less_for_backward(workers):
+    """Over the last rank (no pre-pass, the same shard length), the checkpointed pre-pass keeps only its carried
+    states; the unsegmented one keeps its own activations (the torch reference's chunked tensors): ranks 0 .. cp-2,
+    the middle ones with the K identity columns."""
+    segmented = workers.run(_gdn_prepass_saved_bytes, 64)
+    whole = workers.run(_gdn_prepass_saved_bytes, None)
+    assert segmented[-1] == whole[-1]
+    for rank in range(workers.world_size - 1):
+        extra_segmented, extra_whole = segmented[rank] - segmented[-1], whole[rank] - whole[-1]
+        assert extra_whole > 0.5 * whole[-1], (rank, segmented, whole)
+        assert 0 <= extra_segmented < 0.05 * extra_whole, (rank, segmented, whole)
+
+
+# --------------------------------------------------------------------------------------------------------
 # pass_states against a brute-force chain
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from cp_core.conv import _fla_causal_conv1d, causal_conv1d_torch
-from cp_core.gated_delta import chunk_gated_delta_rule_torch, gated_delta_rule
+from cp_core.gated_delta import chunk_gated_delta_rule_torch, gated_delta_rule, prepass_summary
 from cp_core.kernels import fla_available
 from cp_core.packing import build_packed_metadata
 from cp_core.ssd import chunk_ssd_torch, ssd
@@ -96,6 +96,52 @@ def test_gated_delta_rule_identity_columns_fla_matches_torch():
     errors = {"S_ext": _rel(fast[..., :dv], ref[..., :dv]), "M": _rel(fast[..., dv:], ref[..., dv:])}
     print("gdn identity columns: " + ", ".join(f"{k}={v:.2e}" for k, v in errors.items()))
     assert all(e < TOL for e in errors.values()), errors
+
+
+@pytest.mark.parametrize("with_transition", [False, True], ids=["final_state", "with_transition"])
+def test_segmented_prepass_fla_matches_whole_and_torch(with_transition):
+    """The CP pre-pass in checkpointed 1024-token segments (the last one partial) with fla: its summary [S_ext | M]
+    and every input gradient against the one-piece fla run (same kernel, the state carried in fp32 between
+    segments: < 1e-3) and against the torch reference (bf16 bound, TOL)."""
+    torch.manual_seed(4)
+    t, h, dk, dv = 2500, 16, 128, 128  # weak decay and small beta: M stays far from 0 over 2500 tokens
+    base = {
+        "q": torch.randn(t, h, dk, device="cuda"),
+        "k": torch.randn(t, h, dk, device="cuda"),
+        "v": torch.randn(t, h, dv, device="cuda"),
+        "a": torch.randn(t, h, device="cuda"),
+        "b": torch.rand(t, h, device="cuda") * 0.1,
+    }
+    bf16 = {n: (x if n == "a" else x.bfloat16()) for n, x in base.items()}
+
+    def run(inputs, backend, segment):
+        cast = (lambda x: x) if backend == "fla" else (lambda x: x.float())
+        g = -F.softplus(inputs["a"]) * 0.001
+        return prepass_summary(
+            cast(inputs["q"]), cast(inputs["k"]), cast(inputs["v"]), g, cast(inputs["b"]),
+            with_transition=with_transition, qk_l2norm=True, backend=backend, segment_tokens=segment,
+        )  # fmt: skip
+
+    segmented_in, whole_in, ref_in = _leaves(bf16), _leaves(bf16), _leaves(bf16)
+    segmented, whole = run(segmented_in, "fla", 1024), run(whole_in, "fla", None)
+    ref = run(ref_in, "torch", 1024)
+    assert segmented.shape == (h, dk, dv + (dk if with_transition else 0))
+    if with_transition:
+        assert ref[..., dv:].abs().max() > 1e-2, "M underflowed: the test would compare zeros"
+    grad = torch.randn(segmented.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
+    for out in (segmented, whole, ref):
+        out.backward(grad)
+    errors = {"summary": (_rel(segmented, whole), _rel(segmented, ref))}
+    errors |= {
+        f"d{n}": (_rel(segmented_in[n].grad, whole_in[n].grad), _rel(segmented_in[n].grad, ref_in[n].grad))
+        for n in ("k", "v", "a", "b")  # q only reads the state: the final state does not depend on it
+    }
+    print(f"segmented pre-pass (vs whole fla, vs torch), transition={with_transition}: "
+          + ", ".join(f"{k}={a:.2e}/{b:.2e}" for k, (a, b) in errors.items()))  # fmt: skip
+    for inputs in (segmented_in, whole_in):  # fla returns zeros for it, the torch path None
+        assert inputs["q"].grad is None or not inputs["q"].grad.any()
+    bad = {k: v for k, v in errors.items() if not (v[0] < 1e-3 and v[1] < TOL)}
+    assert not bad, bad
 
 
 def test_ssd_fla_matches_torch():

@@ -447,6 +447,11 @@ def test_gated_delta_input_validation_names_the_bad_shape():
     metadata = build_packed_metadata([4, 2])
     with pytest.raises(ContextParallelError, match="inputs hold 5 tokens but this shard has 6"):
         gated_delta_rule_cp(**good, metadata=metadata, topology=CPTopology.single())
+    for segment in (0, 100, -64):
+        with pytest.raises(
+            ContextParallelError, match=f"prepass_segment_tokens must be a positive multiple of 64 .* got {segment}"
+        ):
+            gated_delta_rule_cp(**good, metadata=metadata, topology=CPTopology.single(), prepass_segment_tokens=segment)
 
 
 def test_ssd_input_validation_names_the_bad_shape():

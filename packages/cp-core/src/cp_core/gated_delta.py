@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.utils.checkpoint
 
 from cp_core.chunking import build_chunk_layout
 from cp_core.errors import ContextParallelError
@@ -201,6 +202,72 @@ def gated_delta_rule(
     )
 
 
+# The pre-pass runs in checkpointed segments of this many tokens: it then keeps only its inputs (views of tensors
+# the main pass keeps anyway) and one carried state per segment boundary, and its backward works on one segment
+# at a time. Unsegmented, a middle rank's pre-pass (v widened by K identity columns) kept a second set of GDN
+# activations and doubled the chunk-state transients: 0.8B at 256k / cp 4 peaked 3.3 GiB above 128k / cp 2.
+PREPASS_SEGMENT_TOKENS = 16384
+_FLA_CHUNK = 64  # fla's and chunk_gated_delta_rule_torch's chunk: segments cut on its grid
+
+
+def _check_segment_tokens(tokens: int | None) -> None:
+    if tokens is not None and (tokens <= 0 or tokens % _FLA_CHUNK):
+        raise ContextParallelError(
+            f"prepass_segment_tokens must be a positive multiple of {_FLA_CHUNK} (the recurrence's chunk) or None, "
+            f"got {tokens}"
+        )
+
+
+def prepass_summary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    with_transition: bool,
+    scale: float | None = None,
+    qk_l2norm: bool = False,
+    backend: RecurrentBackend = "auto",
+    segment_tokens: int | None = PREPASS_SEGMENT_TOKENS,
+) -> torch.Tensor:
+    """The final state of one document stretch from a zero state, ``[Hv, K, V]`` (at least fp32); with
+    ``with_transition`` also its transition ``M``: ``[Hv, K, V + K]`` = ``[S_ext | M]``, from the same recurrence
+    run on K extra value columns of zeros that start from the identity.
+
+    With gradients on and ``segment_tokens`` set, runs in activation-checkpointed segments of that many tokens,
+    carrying the state: it keeps one state per segment for backward instead of its activations, for one more
+    forward of itself.
+    """
+    _check_segment_tokens(segment_tokens)
+    heads, dk, dv = v.size(1), q.size(2), v.size(2)
+    state = None
+    if with_transition:
+        eye = torch.eye(dk, device=q.device, dtype=torch.promote_types(v.dtype, torch.float32))
+        state = torch.cat([eye.new_zeros(heads, dk, dv), eye.expand(heads, dk, dk)], dim=-1)
+
+    def segment(state, q_s, k_s, v_s, g_s, beta_s):
+        if with_transition:
+            v_s = torch.cat([v_s, v_s.new_zeros(v_s.size(0), heads, dk)], dim=-1)
+        initial = None if state is None else state[None]
+        _, final = gated_delta_rule(
+            q_s, k_s, v_s, g_s, beta_s, seq_lens=[v_s.size(0)], scale=scale, initial_state=initial,
+            qk_l2norm=qk_l2norm, backend=backend,
+        )  # fmt: skip
+        return final[0]
+
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))
+    segmented = needs_grad and segment_tokens is not None
+    step = segment_tokens if segmented else q.size(0)
+    for start in range(0, q.size(0), step):
+        pieces = (state, *(t[start : start + step] for t in (q, k, v, g, beta)))
+        if segmented:
+            state = torch.utils.checkpoint.checkpoint(segment, *pieces, use_reentrant=False)
+        else:
+            state = segment(*pieces)
+    return state
+
+
 def gated_delta_rule_cp(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -213,14 +280,18 @@ def gated_delta_rule_cp(
     scale: float | None = None,
     qk_l2norm: bool = False,
     backend: RecurrentBackend = "auto",
+    prepass_segment_tokens: int | None = PREPASS_SEGMENT_TOKENS,
 ) -> torch.Tensor:
     """This rank's output of the gated delta rule over a packed row sharded over ``topology``.
 
     Inputs are this rank's tokens ([S/cp, ...]); the result equals the matching slice of the unsharded run.
     Communication: at most one ``[Hv, K, V]`` fp32 state to the next rank forward and one gradient back.
     Extra compute: a pre-pass over the last local document when it continues on the next rank (with ``K`` extra
-    identity state columns when the state passes through this rank, to get the transition ``M``).
+    identity state columns when the state passes through this rank, to get the transition ``M``). With gradients
+    on, the pre-pass runs in activation-checkpointed segments of ``prepass_segment_tokens`` (a multiple of 64), so
+    it costs one more forward of itself but almost no memory; None runs it in one piece and keeps its activations.
     """
+    _check_segment_tokens(prepass_segment_tokens)  # before any collective
     if q.size(0) != metadata.local_len:
         raise ContextParallelError(
             f"inputs hold {q.size(0)} tokens but this shard has {metadata.local_len} (rank {metadata.cp_rank} "
@@ -237,18 +308,15 @@ def gated_delta_rule_cp(
     transition = q.new_zeros(heads, dk, dk, dtype=state_dtype)
     if metadata.last_doc_continues:
         # Pre-pass over the last document's local stretch, from a zero state, before the chain delivers S0.
-        tail = slice(metadata.local_len - lens[-1], None)
         through = metadata.first_doc_starts_before and len(lens) == 1
-        if through:  # S0 passes through this rank: also need M. Identity state columns with zero values do it.
-            v_tail = torch.cat([v[tail], v.new_zeros(lens[-1], heads, dk)], dim=-1)
-            eye = torch.eye(dk, device=q.device, dtype=state_dtype).expand(1, heads, dk, dk)
-            init = torch.cat([eye.new_zeros(1, heads, dk, dv), eye], dim=-1)
-        else:
-            v_tail, init = v[tail], None
-        _, summary = run(q[tail], k[tail], v_tail, g[tail], beta[tail], seq_lens=[lens[-1]], initial_state=init)
-        final_state = summary[0, ..., :dv].to(state_dtype)
+        tail = slice(metadata.local_len - lens[-1], None)
+        summary = prepass_summary(
+            q[tail], k[tail], v[tail], g[tail], beta[tail], with_transition=through, scale=scale,
+            qk_l2norm=qk_l2norm, backend=backend, segment_tokens=prepass_segment_tokens,
+        )  # fmt: skip
+        final_state = summary[..., :dv].to(state_dtype)
         if through:
-            transition = summary[0, ..., dv:].to(state_dtype)
+            transition = summary[..., dv:].to(state_dtype)
     first_state = pass_states(final_state, transition, metadata, topology, "matrix", anchor=q)
     initial = torch.cat([first_state[None], first_state.new_zeros(len(lens) - 1, heads, dk, dv)])
     return run(q, k, v, g, beta, seq_lens=lens, initial_state=initial)[0]
