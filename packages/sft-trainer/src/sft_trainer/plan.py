@@ -67,33 +67,28 @@ ACTIVATION_COEFFICIENTS: dict[str, dict[str, dict[str, float]]] = {
         },
         "transient": {"gdn_chunk_state": 2, "gdn_conv": 1, "gdn_v": 2},
     },
-    # GDN under CP (cp > 1), busiest rank: gated_delta_rule_cp's pre-pass over the last local document (the whole
-    # shard when one document spans the row) keeps a second set of normed q/k, v, A, rstd and g; on a rank the
-    # state passes through (cp > 2) v carries K extra identity columns (gdn_through_v = Hv x K, else 0).
-    "qwen3_5.gdn_prepass": {
-        "saved": {
-            "gdn_k": 2,
-            "gdn_v": 1,
-            "gdn_through_v": 1,
-            "gdn_chunk_a": 1,
-            "gdn_kheads_f32": 2,
-            "gdn_vheads_f32": 1,
-        },
-        "transient": {},
-    },
+    # GDN under CP (cp > 1), ranks whose last document continues: gated_delta_rule_cp's pre-pass over that
+    # document's local stretch runs in activation-checkpointed segments of 16k tokens (PREPASS_SEGMENT_TOKENS), so
+    # it keeps only one [Hv, K, V (+ K)] state per segment. Its backward, one segment at a time, runs after the
+    # main pass's backward has freed that kernel's saved set and chunk states, which a segment's (at most T tokens,
+    # v widened by K identity columns where the state passes through) do not exceed by more than the width.
+    # Before the segments it kept a second set of normed q/k, v (+ K columns), A, rstd and g
+    # (tests/test_trainer_plan.py estimates the rows recorded then with them).
+    "qwen3_5.gdn_prepass": {"saved": {}, "transient": {}},
     # Gated softmax attention (torch varlen attention / flash, fla RMSNorm for q/k):
     #   hidden 1: normed input of q/k/v_proj; attn_q 5: q_proj's [query | gate] output (2, kept by q_norm, which
     #   reads a view of it), the attention output, sigmoid(gate), o_proj's input; attn_kv 1: k_proj's output
     #   (kept by k_norm); attn_gathered 1: q, k, v after the Ulysses exchange, (Hq + 2 max(Hkv, cp)) D (at cp 1 the
     #   rotated q, k and v); attn_q_cp 1: the output after the exchange back (cp > 1 only; at cp 1 it is the
     #   attention output itself); q_heads_f32 2: the softmax log-sum-exp and q_norm's rstd; kv_heads_f32 1: k_norm's.
-    # Transient: dq/dk/dv in the gathered layout and their exchange buffers, the output gradient, fp32 dq accumulator.
-    # All-gathered KV (attn_kv_row, 0 under Ulysses): the gathered row's k|v, saved 1; backward 1: the per-KV-head
+    # Transient: dq/dk/dv in the gathered layout and their exchange buffers, the output gradient (attn_q 2; 3 before
+    # 2026-12-04s, when no measured peak of 4 .. 16 ranks at 32k tokens a rank was the attention layer's: each
+    # equalled the GDN-bound peak within 0.05 GiB, below the 3-unit estimate), fp32 dq accumulator.
+    # All-gathered KV (attn_kv_row, 0 under Ulysses): the gathered row's k|v, saved 1; backward 0.3: the per-KV-head
     # key / value gradients over a rank's key range (one query head per kernel call, so flash-attn 2 never expands
-    # them to [keys, Hq, D]) and then the gather's one zeroed row buffer for the reduce-scatter, by which time the
-    # saved row is freed. Measured on the H200: 0.8B at 512k / cp 16 peaked at 7.93 GiB, as the Ulysses points with
-    # the same 32k tokens per rank did (their peak: the GDN layer's backward), so this layer's peak is at most that;
-    # with 1 unit the estimate is +8 % (3 units, the Ulysses value, gave +33 %).
+    # them to [keys, Hq, D]), then the gather's one zeroed row buffer for the reduce-scatter once the saved row is
+    # freed. Measured on the H200 (0.8B, 32k tokens a rank, middle rank): 1M / cp 32 and 2M / cp 64 peaked 2.2 and
+    # 4.8 GiB above the 6.7 GiB of 128k / cp 4, for 2 and 4 GiB of row: 1.3 units; 512k / cp 16 (1 GiB) did not rise.
     "qwen3_5.attention": {
         "saved": {
             "hidden": 1,
@@ -105,7 +100,7 @@ ACTIVATION_COEFFICIENTS: dict[str, dict[str, dict[str, float]]] = {
             "q_heads_f32": 2,
             "kv_heads_f32": 1,
         },
-        "transient": {"attn_gathered": 3, "attn_kv_row": 1, "attn_q": 3, "attn_q_f32": 1},
+        "transient": {"attn_gathered": 3, "attn_kv_row": 0.3, "attn_q": 2, "attn_q_f32": 1},
     },
     # SwiGLU MLP: its input (hidden 1); gate_proj and up_proj outputs (intermediate 2: silu(gate) and the product
     # are recomputed in backward, cp_models.common.swiglu_linear). Backward: silu(gate), then the product's
@@ -176,7 +171,7 @@ ACTIVATION_COEFFICIENTS: dict[str, dict[str, dict[str, float]]] = {
     # output after the exchange back (cp > 1; o_proj's input); the log-sum-exp. All-gathered KV as in Qwen3.5's.
     "nemotron_h.attention": {
         "saved": {"hidden": 1, "attn_gathered": 1, "attn_kv_row": 1, "attn_q": 1, "attn_q_cp": 1, "q_heads_f32": 1},
-        "transient": {"attn_gathered": 3, "attn_kv_row": 1, "attn_q": 2, "attn_q_f32": 1},
+        "transient": {"attn_gathered": 3, "attn_kv_row": 0.3, "attn_q": 2, "attn_q_f32": 1},
     },
     # squared-ReLU MLP: input, up_proj's output (relu(x)^2 is recomputed in backward,
     # cp_models.common.squared_relu_linear). Backward: relu(x), the gradient, 2 relu(x) (at most 3 at once).
