@@ -10,6 +10,8 @@
 #   bash benchmarks/gpu_session_models.sh mlp       # recomputing-MLP GPU test; 2B at 32k / 8k vs transformers
 #   bash benchmarks/gpu_session_models.sh mlp-more  # 0.8B / 35B-A3B 8l steps; balanced all-gathered-KV layer time
 #   bash benchmarks/gpu_session_models.sh followup  # 256k / cp 4 snapshot; Nemotron-H step; 512k / cp 16 balanced
+#   bash benchmarks/gpu_session_models.sh segments  # GDN pre-pass in checkpointed segments: GPU tests, middle-rank peaks
+#   bash benchmarks/gpu_session_models.sh segments-long  # Nemotron-H step; 512k / cp 16 and 1M / cp 32 (all-gathered KV)
 #   bash benchmarks/gpu_session_models.sh large     # model steps of 2B and 35B-A3B 8l vs transformers
 #   bash benchmarks/gpu_session_models.sh moe-vs-hf # 35B-A3B 8l at 32k: the variants not yet recorded (transformers)
 #   bash benchmarks/gpu_session_models.sh tiled     # tiled loss + MoE combine: GPU tests, parts alone, 0.8B steps
@@ -144,6 +146,24 @@ case "${1:-tests}" in
     timeout "${SCALE_S:-180}" python3 benchmarks/simulated_scale.py --out "$OUT/kv" --shape qwen3_5-0.8b --limit-s 150 \
       --planned-bytes --warmup-tokens 4096 --baseline docs/benchmarks/simulated_scale_qwen3_5-0.8b.json \
       --points ${POINTS:-524288:16} 2>&1 | tee "$OUT/kv/log.txt" | grep -E "^\||^\{"
+    ;;
+  segments)  # GDN's pre-pass in checkpointed segments: its kernel tests, then the middle-rank points it changes
+    versions | tee "$OUT/device.txt"
+    mkdir -p "$OUT/seg"
+    timeout 150 python3 -m pytest -v -s -p no:cacheprovider packages/cp-core/tests/test_core_recurrent_gpu.py 2>&1 \
+      | tee "$OUT/seg/tests.log" | grep -E "PASS|FAIL|ERROR|segmented|passed|failed"
+    timeout "${SCALE_S:-400}" python3 benchmarks/simulated_scale.py --out "$OUT/seg" --shape qwen3_5-0.8b --limit-s 150 \
+      --planned-bytes --warmup-tokens 4096 --baseline docs/benchmarks/simulated_scale_qwen3_5-0.8b.json \
+      --points ${POINTS:-262144:4 131072:4 262144:8 131072:8} 2>&1 | tee "$OUT/seg/log.txt" | grep -E "^\||^\{"
+    ;;
+  segments-long)  # the Nemotron-H step with its recomputing MLP; long rows past Ulysses' head limit
+    mkdir -p "$OUT/nemotron" "$OUT/kv"
+    timeout 200 python3 benchmarks/model_step.py --out "$OUT/nemotron" --shapes nemotron_h-nano-8l --seq-lens 32768 8192 \
+      --limit-s 60 --first-step-limit-s 150 --reps 2 --variants cp_models "cp_models + act. ckpt" 2>&1 \
+      | tee "$OUT/nemotron/log.txt" | grep -E "^\||built"
+    timeout "${SCALE_S:-380}" python3 benchmarks/simulated_scale.py --out "$OUT/kv" --shape qwen3_5-0.8b --limit-s 150 \
+      --planned-bytes --warmup-tokens 4096 --baseline docs/benchmarks/simulated_scale_qwen3_5-0.8b.json \
+      --points ${POINTS:-524288:16 1048576:32} 2>&1 | tee "$OUT/kv/log.txt" | grep -E "^\||^\{"
     ;;
   large)
     mkdir -p "$OUT/large"
