@@ -380,37 +380,50 @@ def test_gdn_prepass_in_segments_matches_unsharded(workers, dtype):
 
 
 def _gdn_prepass_saved_bytes(topology, segment):
-    """Bytes autograd keeps for backward on this rank, for a one-document row."""
+    """Bytes autograd keeps for backward on this rank, for a one-document row, with q, k and v views of one
+    conv-output-like tensor as in Qwen3.5; also the bytes of that tensor, g and beta."""
     total = SEGMENT_LOCAL * topology.size
     metadata = build_packed_metadata([total], topology.rank, topology.size)
     inputs = gdn_inputs(total, 7, torch.float32, ratio=2)
-    local = {n: x[metadata.shard_start : metadata.shard_end].clone().requires_grad_() for n, x in inputs.items()}
+    local = {n: x[metadata.shard_start : metadata.shard_end] for n, x in inputs.items()}
+    widths = [local[n][0].numel() for n in ("q", "k", "v")]
+    source = torch.cat([local[n].flatten(1) for n in ("q", "k", "v")], dim=1).requires_grad_()
+    mixed = source * 1.0  # a non-leaf, like the conv output the model splits
+    q, k, v = (part.unflatten(1, local[n].shape[1:]) for part, n in zip(mixed.split(widths, 1), "qkv", strict=True))
+    g, beta = (local[n].clone().requires_grad_() for n in ("g", "beta"))
     saved: dict[int, int] = {}
+    held = []  # keep packed tensors alive until counted, so that no address is reused
 
     def pack(t):
         saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        held.append(t)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = gated_delta_rule_cp(
-            **local, metadata=metadata, topology=topology, backend="torch", prepass_segment_tokens=segment
+            q, k, v, g, beta, metadata=metadata, topology=topology, backend="torch", prepass_segment_tokens=segment
         )
     out.sum().backward()
-    return sum(saved.values())
+    inputs_bytes = sum(t.untyped_storage().nbytes() for t in (mixed, g, beta))
+    return sum(saved.values()), inputs_bytes
 
 
 @with_workers
 def test_segmented_prepass_keeps_less_for_backward(workers):
-    """Over the last rank (no pre-pass, the same shard length), the checkpointed pre-pass keeps only its carried
-    states; the unsegmented one keeps its own activations (the torch reference's chunked tensors): ranks 0 .. cp-2,
-    the middle ones with the K identity columns."""
+    """Over the last rank (no pre-pass, the same shard length), the checkpointed pre-pass keeps its inputs (the
+    tensor q, k and v are views of, g and beta; on the fla path the main pass keeps beta itself, and the planner
+    counts the other two) and its carried states; the unsegmented one keeps its own activations (here the torch
+    reference's chunked tensors) on top: ranks 0 .. cp-2, the middle ones with the K identity columns."""
     segmented = workers.run(_gdn_prepass_saved_bytes, 64)
     whole = workers.run(_gdn_prepass_saved_bytes, None)
     assert segmented[-1] == whole[-1]
+    state_bytes = 4 * 4 * 4 * (3 + 4)  # one fp32 [Hv, K, V + K] state (Hv 4, K 4, V 3)
+    states = -(-SEGMENT_LOCAL // 64) + 2  # one per segment, the identity start, the passed transition
     for rank in range(workers.world_size - 1):
-        extra_segmented, extra_whole = segmented[rank] - segmented[-1], whole[rank] - whole[-1]
-        assert extra_whole > 0.5 * whole[-1], (rank, segmented, whole)
-        assert 0 <= extra_segmented < 0.05 * extra_whole, (rank, segmented, whole)
+        (kept_segmented, inputs_bytes), (kept_whole, _) = segmented[rank], whole[rank]
+        extra_segmented, extra_whole = kept_segmented - segmented[-1][0], kept_whole - whole[-1][0]
+        assert 0 < extra_segmented <= inputs_bytes + states * state_bytes, (rank, segmented, whole)
+        assert extra_whole > 3 * extra_segmented, (rank, segmented, whole)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -414,15 +414,19 @@ def test_memory_model_is_within_fifteen_percent_of_every_recorded_h200_peak(monk
 
 
 def test_the_busiest_rank_is_the_largest_estimate():
-    """The default estimate (rank None) is the busiest rank's: at least every single rank's. For Qwen3.5 every rank
-    estimates alike: GDN's pre-pass (ranks 0 .. cp-2, with K identity columns on the middle ones) runs in
-    checkpointed segments and keeps nothing per token; under the older pre-pass the middle ranks were the busiest."""
+    """The default estimate (rank None) is the busiest rank's: at least every single rank's. For Qwen3.5 the ranks
+    that run GDN's pre-pass (0 .. cp-2) keep its inputs (the conv output and g); the segmented pre-pass keeps
+    nothing else, so they estimate alike, K identity columns or not; the last rank keeps less. Under the older
+    pre-pass the middle ranks were the busiest."""
     config = shipped("qwen3_5-0.8b")
     kw = dict(activation_checkpointing=True, optimizer=False)
     for cp in (2, 4, 8):
         busiest = plan.estimate_memory(config, 65536 * cp, cp, **kw).total
         ranks = [plan.estimate_memory(config, 65536 * cp, cp, rank=r, **kw).total for r in range(cp)]
-        assert busiest == max(ranks) == min(ranks)
+        assert busiest == max(ranks) == ranks[0] >= ranks[-1]
+        assert len(set(ranks[:-1])) == 1
+        # At cp 8 the attention layer (KV replicated to 8 heads) is every rank's largest, so the last rank ties.
+        assert ranks[0] > ranks[-1] or cp == 8
     with pytest.MonkeyPatch.context() as patch:
         _as_before_the_segmented_prepass(patch)
         ranks = [plan.estimate_memory(config, 65536 * 4, 4, rank=r, **kw).total for r in range(4)]

@@ -202,10 +202,11 @@ def gated_delta_rule(
     )
 
 
-# The pre-pass runs in checkpointed segments of this many tokens: it then keeps only its inputs (views of tensors
-# the main pass keeps anyway) and one carried state per segment boundary, and its backward works on one segment
-# at a time. Unsegmented, a middle rank's pre-pass (v widened by K identity columns) kept a second set of GDN
-# activations and doubled the chunk-state transients: 0.8B at 256k / cp 4 peaked 3.3 GiB above 128k / cp 2.
+# The pre-pass runs in checkpointed segments of this many tokens: it then keeps only its inputs and one carried
+# state per segment boundary, and its backward works on one segment at a time. Unsegmented, a middle rank's pre-pass
+# (v widened by K identity columns) kept a second set of GDN activations and doubled the chunk-state transients:
+# 0.8B at 256k / cp 4 peaked 3.3 GiB above 128k / cp 2. Its inputs are views: in Qwen3.5 of the conv output, which
+# nothing else keeps (fla copies q, k, v), so that tensor and g stay alive for backward on ranks that run it.
 PREPASS_SEGMENT_TOKENS = 16384
 _FLA_CHUNK = 64  # fla's and chunk_gated_delta_rule_torch's chunk: segments cut on its grid
 
@@ -262,7 +263,7 @@ def prepass_summary(
     for start in range(0, q.size(0), step):
         pieces = (state, *(t[start : start + step] for t in (q, k, v, g, beta)))
         if segmented:
-            state = torch.utils.checkpoint.checkpoint(segment, *pieces, use_reentrant=False)
+            state = torch.utils.checkpoint.checkpoint(segment, *pieces, use_reentrant=False, preserve_rng_state=False)
         else:
             state = segment(*pieces)
     return state
