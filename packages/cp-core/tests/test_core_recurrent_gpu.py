@@ -218,3 +218,83 @@ def test_causal_conv1d_fla_with_halo_matches_torch():
         ref_in["halo"].float(),
     )
     _compare("conv halo", [fast], [ref], fast_in, ref_in)
+
+
+def _gdn_cp_on_fake_group(rank, cp, total, tensors, segment=16384):
+    """``gated_delta_rule_cp`` (fla) for ``rank`` of a fake group, one document spanning the row: output, input
+    gradients, and the bytes of the storages autograd keeps for backward (with their data pointers)."""
+    from cp_core import CPTopology
+    from cp_core.gated_delta import gated_delta_rule_cp
+    from cp_core.testing import fake_process_group
+
+    metadata = build_packed_metadata([total], rank, cp)
+    saved: dict[int, int] = {}
+    held = []
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        held.append(t)
+        return t
+
+    with fake_process_group(rank, cp) as group:
+        q, k, v, g, beta = tensors()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = gated_delta_rule_cp(
+                q, k, v, g, beta, metadata=metadata, topology=CPTopology.from_group(group), qk_l2norm=True,
+                backend="fla", prepass_segment_tokens=segment,
+            )  # fmt: skip
+        out.float().sum().backward()
+    return out, saved, (q, k, v, g, beta)
+
+
+def _model_like_inputs(t, hk=16, hv=16, dk=128, dv=128, seed=6):
+    """q, k, v as views of one conv-output-like bf16 tensor (as Qwen3.5's GDN splits its conv output), g, beta."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    source = torch.randn(t, 2 * hk * dk + hv * dv, device="cuda", generator=gen).bfloat16().requires_grad_()
+    a = torch.randn(t, hv, device="cuda", generator=gen).requires_grad_()
+    b = torch.randn(t, hv, device="cuda", generator=gen).bfloat16().requires_grad_()
+
+    def tensors():
+        mixed = source * 1  # a non-leaf, like the conv output
+        q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=1)
+        return q.unflatten(1, (hk, dk)), k.unflatten(1, (hk, dk)), v.unflatten(1, (hv, dv)), -F.softplus(a), b.sigmoid()
+
+    return tensors, (source, a, b)
+
+
+def test_cp_gdn_fla_rank0_matches_the_local_run():
+    """Rank 0 on a fake group (its document starts here; the fake recv leaves the passed state's gradient at zero):
+    output and input gradients against fla's local run with the normalization inside the kernel. Under CP q and k
+    are normalized first (fla's own l2norm, the same kernels), so this is expected bitwise; the bound is bf16's."""
+    cp, local_t = 4, 8192
+    tensors, leaves = _model_like_inputs(local_t)
+    out, _, _ = _gdn_cp_on_fake_group(0, cp, cp * local_t, tensors)
+    cp_grads = [x.grad.clone() for x in leaves]
+    for x in leaves:
+        x.grad = None
+    q, k, v, g, beta = tensors()
+    expected, _ = gated_delta_rule(q, k, v, g, beta, seq_lens=[local_t], qk_l2norm=True, backend="fla")
+    expected.float().sum().backward()
+    errors = {"out": _rel(out, expected)} | {
+        f"d{name}": _rel(got, x.grad) for name, got, x in zip(("source", "a", "b"), cp_grads, leaves, strict=True)
+    }
+    bitwise = torch.equal(out, expected) and all(torch.equal(c, x.grad) for c, x in zip(cp_grads, leaves, strict=True))
+    print(f"cp gdn rank 0 vs local (bitwise {bitwise}): " + ", ".join(f"{n}={e:.2e}" for n, e in errors.items()))
+    assert all(e < 1e-2 for e in errors.values()), errors
+
+
+def test_cp_gdn_prepass_keeps_no_conv_output():
+    """On the ranks that run the pre-pass (0: its last document continues; 1: the state passes through), autograd
+    keeps at most g and the carried states more than on the last rank, and never the conv output q, k, v are views
+    of: the pre-pass reads the normalized q, k and the contiguous v that the main kernel keeps."""
+    cp, local_t = 4, 4096
+    tensors, _ = _model_like_inputs(local_t)
+    kept = {}
+    for rank in (0, 1, cp - 1):
+        _, saved, (q, *_rest) = _gdn_cp_on_fake_group(rank, cp, cp * local_t, tensors, segment=1024)
+        assert q.untyped_storage().data_ptr() not in saved, f"rank {rank} keeps the conv output"
+        kept[rank] = sum(saved.values())
+    g_bytes, state_bytes = local_t * 16 * 4, 16 * 128 * 256 * 4
+    print(f"kept for backward by rank: { {r: round(b / 2**20, 2) for r, b in kept.items()} } MiB")
+    for rank in (0, 1):
+        assert kept[rank] - kept[cp - 1] <= g_bytes + 6 * state_bytes, kept

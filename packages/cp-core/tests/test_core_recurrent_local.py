@@ -492,3 +492,39 @@ def test_conv_input_validation_names_the_bad_shape():
     metadata = build_packed_metadata([6])
     with pytest.raises(ContextParallelError, match="x holds 5 tokens but this shard has 6"):
         causal_conv1d_cp(x, weight, None, metadata, CPTopology.single())
+
+
+def _gdn_rank0_on_fake_group(inputs, total, cp, backend):
+    """Rank 0's output and input gradients of ``gated_delta_rule_cp`` on a fake group (one document spanning the
+    row): its first document starts here and the fake group's recv leaves the incoming gradient of the passed state
+    at zero, so this is rank 0's shard run alone, plus a pre-pass whose gradient contributions are zero."""
+    from cp_core.testing import fake_process_group
+
+    metadata = build_packed_metadata([total], 0, cp)
+    local = {n: x[: metadata.local_len].detach().clone().requires_grad_() for n, x in inputs.items()}
+    with fake_process_group(0, cp) as group:
+        out = gated_delta_rule_cp(
+            **local, metadata=metadata, topology=CPTopology.from_group(group), qk_l2norm=True, backend=backend
+        )
+        out.backward(torch.ones_like(out))
+    return out, {n: x.grad for n, x in local.items()}
+
+
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_cp_normalizes_q_and_k_once_with_the_same_numbers(ratio):
+    """Under CP q and k are normalized before both passes (so the pre-pass reads what the main kernel keeps): rank
+    0's output and gradients equal the unsharded run of its shard with the normalization inside. Bitwise with as
+    many key as value heads; with value heads sharing a key head the torch path sums the shared heads' gradients
+    before the normalization's backward instead of after it (fla's order), a rounding difference."""
+    total, cp = 256, 2
+    inputs = gdn_inputs([total], ratio=ratio, seed=40, dtype=torch.float32)
+    out, grads = _gdn_rank0_on_fake_group(inputs, total, cp, "torch")
+    local = {n: x[: total // cp].detach().clone().requires_grad_() for n, x in inputs.items()}
+    expected, _ = gated_delta_rule(**local, seq_lens=[total // cp], qk_l2norm=True, backend="torch")
+    expected.backward(torch.ones_like(expected))
+    assert torch.equal(out, expected)
+    for name, grad in grads.items():
+        if ratio == 1:
+            assert torch.equal(grad, local[name].grad), name
+        else:
+            torch.testing.assert_close(grad, local[name].grad, rtol=1e-5, atol=1e-6, msg=name)

@@ -378,14 +378,26 @@ def _as_before_the_segmented_prepass(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(plan.ACTIVATION_COEFFICIENTS["qwen3_5.gdn_prepass"], "saved", saved)
 
 
+SHARED_PREPASS_INPUTS_RUN = "2026-12-05"
+"""From here (no GPU run yet) the pre-pass reads the normalized q, k and contiguous v that GDN's main kernel keeps;
+rows recorded before it ran segments that read q, k, v as views of the conv output and so kept that tensor."""
+
+
+def _as_before_the_shared_prepass_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner as it modelled the segmented pre-pass of rows recorded before SHARED_PREPASS_INPUTS_RUN: the conv
+    output (gdn_conv 1) kept on top of g."""
+    saved = {"gdn_conv": 1, "gdn_vheads_f32": 1}
+    monkeypatch.setitem(plan.ACTIVATION_COEFFICIENTS["qwen3_5.gdn_prepass"], "saved", saved)
+
+
 def test_memory_model_is_within_fifteen_percent_of_every_recorded_h200_peak(monkeypatch):
     """The planner's per-rank total (weights, gradients, activations, workspace; no optimizer: the benchmarks'
     setting) against torch.cuda.max_memory_allocated of every recorded step: unsharded, all shapes, with and
     without checkpointing, 8k to 2M tokens, and one rank's share at cp 2 .. 64 on a fake group (cp 16 .. 64 with
     all-gathered KV), estimated for the rank and attention strategy it ran (rank cp // 2 unless the row names
     another: at cp 2 the last, which runs no GDN pre-pass; at cp >= 4 a middle one, through which the state
-    passes). Rows recorded before TILED_LOSS_RUN, RECOMPUTED_MLP_RUN or SEGMENTED_PREPASS_RUN are estimated as the
-    planner modelled their code."""
+    passes). Rows recorded before TILED_LOSS_RUN, RECOMPUTED_MLP_RUN, SEGMENTED_PREPASS_RUN or
+    SHARED_PREPASS_INPUTS_RUN are estimated as the planner modelled their code."""
     points = _recorded_h200_peaks()
     shapes = {p[0] for p in points}
     assert {"qwen3_5-0.8b", "qwen3_5-2b", "nemotron_h-nano-8l", "qwen3_5-35b-a3b-8l"} <= shapes
@@ -402,6 +414,8 @@ def test_memory_model_is_within_fifteen_percent_of_every_recorded_h200_peak(monk
                 _as_before_the_tiled_loss(patch)
             if run < RECOMPUTED_MLP_RUN:
                 _as_before_the_recomputed_mlp(patch)
+            if run < SHARED_PREPASS_INPUTS_RUN:
+                _as_before_the_shared_prepass_inputs(patch)
             if run < SEGMENTED_PREPASS_RUN:
                 _as_before_the_segmented_prepass(patch)
             est = plan.estimate_memory(
@@ -415,9 +429,9 @@ def test_memory_model_is_within_fifteen_percent_of_every_recorded_h200_peak(monk
 
 def test_the_busiest_rank_is_the_largest_estimate():
     """The default estimate (rank None) is the busiest rank's: at least every single rank's. For Qwen3.5 the ranks
-    that run GDN's pre-pass (0 .. cp-2) keep its inputs (the conv output and g); the segmented pre-pass keeps
-    nothing else, so they estimate alike, K identity columns or not; the last rank keeps less. Under the older
-    pre-pass the middle ranks were the busiest."""
+    that run GDN's pre-pass (0 .. cp-2) keep its g; the segmented pre-pass keeps nothing else of its own, so they
+    estimate alike, K identity columns or not; the last rank keeps less. Under the unsegmented pre-pass the middle
+    ranks were the busiest."""
     config = shipped("qwen3_5-0.8b")
     kw = dict(activation_checkpointing=True, optimizer=False)
     for cp in (2, 4, 8):

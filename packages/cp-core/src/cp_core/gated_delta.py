@@ -211,6 +211,16 @@ PREPASS_SEGMENT_TOKENS = 16384
 _FLA_CHUNK = 64  # fla's and chunk_gated_delta_rule_torch's chunk: segments cut on its grid
 
 
+def _l2norm_autograd(x: torch.Tensor, backend: str) -> torch.Tensor:
+    """The q / k normalization the backend's kernel would apply inside: fla's l2norm (its in-kernel path runs the
+    same forward and backward kernels and keeps the same output and rstd), else :func:`l2norm` (fp32)."""
+    if backend == "fla":
+        from fla.modules.l2norm import l2norm as fla_l2norm
+
+        return fla_l2norm(x)
+    return l2norm(x)
+
+
 def _check_segment_tokens(tokens: int | None) -> None:
     if tokens is not None and (tokens <= 0 or tokens % _FLA_CHUNK):
         raise ContextParallelError(
@@ -300,9 +310,17 @@ def gated_delta_rule_cp(
         )
     lens = metadata.local_seq_lens
     _check(q, k, v, g, beta, lens, None)
-    run = lambda *args, **kw: gated_delta_rule(*args, scale=scale, qk_l2norm=qk_l2norm, backend=backend, **kw)  # noqa: E731
     if not topology.enabled:
-        return run(q, k, v, g, beta, seq_lens=lens)[0]
+        return gated_delta_rule(q, k, v, g, beta, seq_lens=lens, scale=scale, qk_l2norm=qk_l2norm, backend=backend)[0]
+    # The pre-pass reads q, k and v again after the main pass's kernel has taken its own copies (fla normalizes q
+    # and k and copies a non-contiguous v): its checkpoint would keep the originals, in Qwen3.5 views of the whole
+    # conv output. Both passes read the normalized q, k and a contiguous v instead, the very tensors the main
+    # kernel keeps, so the pre-pass keeps nothing of its own but g. Same kernels, same numbers.
+    backend = resolve_recurrent_backend(backend, q)
+    if qk_l2norm:
+        q, k = _l2norm_autograd(q, backend), _l2norm_autograd(k, backend)
+    v = v.contiguous()
+    run = lambda *args, **kw: gated_delta_rule(*args, scale=scale, backend=backend, **kw)  # noqa: E731
     heads, dk, dv = v.size(1), q.size(2), v.size(2)
     state_dtype = torch.promote_types(v.dtype, torch.float32)  # what every rank's chain buffers hold
     final_state = q.new_zeros(heads, dk, dv, dtype=state_dtype)  # placeholders where nobody reads them
@@ -312,8 +330,8 @@ def gated_delta_rule_cp(
         through = metadata.first_doc_starts_before and len(lens) == 1
         tail = slice(metadata.local_len - lens[-1], None)
         summary = prepass_summary(
-            q[tail], k[tail], v[tail], g[tail], beta[tail], with_transition=through, scale=scale,
-            qk_l2norm=qk_l2norm, backend=backend, segment_tokens=prepass_segment_tokens,
+            q[tail], k[tail], v[tail], g[tail], beta[tail], with_transition=through, scale=scale, backend=backend,
+            segment_tokens=prepass_segment_tokens,
         )  # fmt: skip
         final_state = summary[..., :dv].to(state_dtype)
         if through:

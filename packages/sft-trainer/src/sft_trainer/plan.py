@@ -69,13 +69,14 @@ ACTIVATION_COEFFICIENTS: dict[str, dict[str, dict[str, float]]] = {
     },
     # GDN under CP (cp > 1), ranks whose last document continues: gated_delta_rule_cp's pre-pass over that
     # document's local stretch runs in activation-checkpointed segments of 16k tokens (PREPASS_SEGMENT_TOKENS). It
-    # keeps its inputs and one [Hv, K, V (+ K)] state per segment: gdn_conv 1, the conv output whose views q, k, v
-    # are (fla keeps its own copies, so nothing else would keep it), and gdn_vheads_f32 1, g (beta is fla's own).
-    # Its backward, one segment at a time, runs after the main pass's backward has freed that kernel's saved set and
+    # keeps its inputs and one [Hv, K, V (+ K)] state per segment. Its inputs are the normalized q, k and the
+    # contiguous v the main kernel keeps anyway, and beta, also fla's; only g is its own (gdn_vheads_f32 1). Its
+    # backward, one segment at a time, runs after the main pass's backward has freed that kernel's saved set and
     # chunk states, which a segment's (at most T tokens, v widened by K identity columns where the state passes
-    # through) do not exceed by more than the width. Before the segments it kept a second set of normed q/k,
-    # v (+ K columns), A, rstd and g (tests/test_trainer_plan.py estimates the rows recorded then with them).
-    "qwen3_5.gdn_prepass": {"saved": {"gdn_conv": 1, "gdn_vheads_f32": 1}, "transient": {}},
+    # through) do not exceed by more than the width. tests/test_trainer_plan.py keeps the two earlier models for
+    # the rows recorded with them: a second set of GDN activations (before the segments), then the whole conv
+    # output q, k, v were views of (segments reading the raw views, 2026-12-04s).
+    "qwen3_5.gdn_prepass": {"saved": {"gdn_vheads_f32": 1}, "transient": {}},
     # Gated softmax attention (torch varlen attention / flash, fla RMSNorm for q/k):
     #   hidden 1: normed input of q/k/v_proj; attn_q 5: q_proj's [query | gate] output (2, kept by q_norm, which
     #   reads a view of it), the attention output, sigmoid(gate), o_proj's input; attn_kv 1: k_proj's output
