@@ -205,8 +205,8 @@ def gated_delta_rule(
 # The pre-pass runs in checkpointed segments of this many tokens: it then keeps only its inputs and one carried
 # state per segment boundary, and its backward works on one segment at a time. Unsegmented, a middle rank's pre-pass
 # (v widened by K identity columns) kept a second set of GDN activations and doubled the chunk-state transients:
-# 0.8B at 256k / cp 4 peaked 3.3 GiB above 128k / cp 2. Its inputs are views: in Qwen3.5 of the conv output, which
-# nothing else keeps (fla copies q, k, v), so that tensor and g stay alive for backward on ranks that run it.
+# 0.8B at 256k / cp 4 peaked 3.3 GiB above 128k / cp 2. On the fla path its inputs are tensors the main kernel
+# keeps as well (see gated_delta_rule_cp), so only g is its own.
 PREPASS_SEGMENT_TOKENS = 16384
 _FLA_CHUNK = 64  # fla's and chunk_gated_delta_rule_torch's chunk: segments cut on its grid
 
@@ -314,12 +314,15 @@ def gated_delta_rule_cp(
         return gated_delta_rule(q, k, v, g, beta, seq_lens=lens, scale=scale, qk_l2norm=qk_l2norm, backend=backend)[0]
     # The pre-pass reads q, k and v again after the main pass's kernel has taken its own copies (fla normalizes q
     # and k and copies a non-contiguous v): its checkpoint would keep the originals, in Qwen3.5 views of the whole
-    # conv output. Both passes read the normalized q, k and a contiguous v instead, the very tensors the main
-    # kernel keeps, so the pre-pass keeps nothing of its own but g. Same kernels, same numbers.
+    # conv output. On the fla path both passes read the normalized q, k and a contiguous v instead, the very
+    # tensors fla's kernel keeps, so the pre-pass keeps nothing of its own but g. The same kernels run; where the
+    # pre-pass also contributes to dq / dk, the two contributions now meet before the normalization's backward
+    # (a rounding difference). The torch path keeps its own chunked copies either way: v stays as it is.
     backend = resolve_recurrent_backend(backend, q)
     if qk_l2norm:
         q, k = _l2norm_autograd(q, backend), _l2norm_autograd(k, backend)
-    v = v.contiguous()
+    if backend == "fla":
+        v = v.contiguous()
     run = lambda *args, **kw: gated_delta_rule(*args, scale=scale, backend=backend, **kw)  # noqa: E731
     heads, dk, dv = v.size(1), q.size(2), v.size(2)
     state_dtype = torch.promote_types(v.dtype, torch.float32)  # what every rank's chain buffers hold
