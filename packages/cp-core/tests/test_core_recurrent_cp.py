@@ -13,11 +13,18 @@ import torch.nn.functional as F
 
 from cp_core import CPTopology, build_packed_metadata
 from cp_core.conv import causal_conv1d_cp
-from cp_core.gated_delta import gated_delta_rule_cp
+from cp_core.gated_delta import PREPASS_SEGMENT_TOKENS, gated_delta_rule_cp
 from cp_core.packing import PackedRowMetadata
 from cp_core.ssd import ssd_cp
 from cp_core.state_passing import pass_states
-from cp_core.testing import GlooWorkers, RankFailure, check_cp_parity, layout_cases, one_torch_thread
+from cp_core.testing import (
+    GlooWorkers,
+    RankFailure,
+    check_cp_parity,
+    layout_cases,
+    one_torch_thread,
+    saved_storages,
+)
 
 CP_SIZES = (2, 4)
 TOTAL = {2: 48, 4: 64}  # row length per CP size: 24 and 16 tokens a rank
@@ -151,8 +158,12 @@ def gdn_case(
     beta: torch.Tensor,
     qk_l2norm: bool = False,
     scale: float | None = None,
+    segment: int | None = PREPASS_SEGMENT_TOKENS,
 ) -> torch.Tensor:
-    return gated_delta_rule_cp(q, k, v, g, beta, metadata, topology, scale=scale, qk_l2norm=qk_l2norm, backend="torch")
+    return gated_delta_rule_cp(
+        q, k, v, g, beta, metadata, topology, scale=scale, qk_l2norm=qk_l2norm, backend="torch",
+        prepass_segment_tokens=segment,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -337,12 +348,6 @@ def test_parity_detects_a_missing_state_pass(workers):
 SEGMENT_LOCAL = 200  # tokens a rank: the pre-pass crosses several 64-token segments and ends on a partial one
 
 
-def _gdn_segmented_case(module, metadata, topology, *, segment, **inputs):
-    return gated_delta_rule_cp(
-        **inputs, metadata=metadata, topology=topology, qk_l2norm=True, backend="torch", prepass_segment_tokens=segment
-    )
-
-
 def _segment_layouts(cp: int) -> dict[str, list[int]]:
     total = SEGMENT_LOCAL * cp
     rng = torch.Generator().manual_seed(cp)
@@ -369,7 +374,7 @@ def test_gdn_prepass_in_segments_matches_unsharded(workers, dtype):
     for index, (layout, seq_lens) in enumerate(_segment_layouts(cp).items()):
         inputs = gdn_inputs(SEGMENT_LOCAL * cp, 300 + index, dtype, ratio=2)
         for segment in (64, 16384, None):
-            case = functools.partial(_gdn_segmented_case, segment=segment)
+            case = functools.partial(gdn_case, qk_l2norm=True, segment=segment)
             report = check_cp_parity(workers, case, seq_lens=seq_lens, inputs=inputs, seq_dims=GDN_SEQ_DIMS)
             assert set(report.relative) == {"out", *(f"grad.{n}" for n in inputs)}, report.relative
             try:
@@ -391,18 +396,11 @@ def _gdn_prepass_saved_bytes(topology, segment):
     mixed = source * 1.0  # a non-leaf, like the conv output the model splits
     q, k, v = (part.unflatten(1, local[n].shape[1:]) for part, n in zip(mixed.split(widths, 1), "qkv", strict=True))
     g, beta = (local[n].clone().requires_grad_() for n in ("g", "beta"))
-    saved: dict[int, int] = {}
-    held = []  # keep packed tensors alive until counted, so that no address is reused
-
-    def pack(t):
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        held.append(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = gated_delta_rule_cp(
+    out, saved = saved_storages(
+        lambda: gated_delta_rule_cp(
             q, k, v, g, beta, metadata=metadata, topology=topology, backend="torch", prepass_segment_tokens=segment
         )
+    )
     out.sum().backward()
     inputs_bytes = sum(t.untyped_storage().nbytes() for t in (mixed, g, beta))
     return sum(saved.values()), inputs_bytes

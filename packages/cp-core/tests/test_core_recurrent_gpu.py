@@ -225,24 +225,17 @@ def _gdn_cp_on_fake_group(rank, cp, total, tensors, segment=16384):
     gradients, and the bytes of the storages autograd keeps for backward (with their data pointers)."""
     from cp_core import CPTopology
     from cp_core.gated_delta import gated_delta_rule_cp
-    from cp_core.testing import fake_process_group
+    from cp_core.testing import fake_process_group, saved_storages
 
     metadata = build_packed_metadata([total], rank, cp)
-    saved: dict[int, int] = {}
-    held = []
-
-    def pack(t):
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        held.append(t)
-        return t
-
     with fake_process_group(rank, cp) as group:
         q, k, v, g, beta = tensors()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = gated_delta_rule_cp(
-                q, k, v, g, beta, metadata=metadata, topology=CPTopology.from_group(group), qk_l2norm=True,
-                backend="fla", prepass_segment_tokens=segment,
-            )  # fmt: skip
+        topology = CPTopology.from_group(group)
+        run = lambda: gated_delta_rule_cp(  # noqa: E731
+            q, k, v, g, beta, metadata=metadata, topology=topology, qk_l2norm=True, backend="fla",
+            prepass_segment_tokens=segment,
+        )  # fmt: skip
+        out, saved = saved_storages(run)
         out.float().sum().backward()
     return out, saved, (q, k, v, g, beta)
 

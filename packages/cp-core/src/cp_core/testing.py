@@ -453,6 +453,23 @@ def keep_float64_(model: torch.nn.Module, layers: Iterable[torch.nn.Module] = ()
 # Fast kernels vs reference paths (GPU)
 
 
+def saved_storages(run: Callable[[], Any]) -> tuple[Any, dict[int, int]]:
+    """``run()``'s result and the storages autograd keeps for its backward, ``{data_ptr: nbytes}``: what a saved
+    tensor costs, views of one storage counted once. Every packed tensor is held until ``run`` returns, so an
+    address freed and reused inside the run is not mistaken for one storage."""
+    storages: dict[int, int] = {}
+    held = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        held.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = run()
+    return result, storages
+
+
 def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     """``||a - b|| / ||b||`` in fp64."""
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
