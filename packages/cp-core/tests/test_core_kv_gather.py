@@ -126,9 +126,15 @@ def test_separate_key_boundaries_bad_input():
             8,
             2,
             16,
-            r"cp=16, q_heads=8.*use attention CP style 'kv_gather' \(or 'auto'\), which takes any cp",
+            r"cp=16, q_heads=8.*use attention CP style 'kv_gather' or 'kv_ring' \(or 'auto'\), which take any cp",
         ),
-        ("ring", 8, 2, 2, r"unknown attention CP style 'ring'; choose one of \('auto', 'ulysses', 'kv_gather'\)"),
+        (
+            "ring",
+            8,
+            2,
+            2,
+            r"unknown attention CP style 'ring'; choose one of \('auto', 'ulysses', 'kv_gather', 'kv_ring'\)",
+        ),
         ("auto", 8, 3, 2, "q_heads=8 is not a multiple of kv_heads=3"),
     ],
 )
@@ -227,7 +233,9 @@ def test_without_cp_both_strategies_are_plain_varlen_attention():
     for style in ("ulysses", "kv_gather"):
         got = context_parallel_attention(q, k, v, meta, CPTopology.single(), style, sliding_window=3, backend="torch")
         assert torch.equal(got, want), style
-    with pytest.raises(ContextParallelError, match="must be 'ulysses' or 'kv_gather' here, got 'auto'"):
+    with pytest.raises(
+        ContextParallelError, match=r"must be one of \('ulysses', 'kv_gather', 'kv_ring'\) here, got 'auto'"
+    ):
         context_parallel_attention(q, k, v, meta, CPTopology.single(), "auto")
     with pytest.raises(ContextParallelError, match="metadata was built for rank 1 of cp=2"):
         kv_gather_attention(q[:12], k[:12], v[:12], build_packed_metadata(seq_lens, 1, 2), CPTopology.single())

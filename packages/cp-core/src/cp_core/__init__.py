@@ -7,8 +7,9 @@ The pieces, in the order one packed row meets them:
 - :func:`shard_sequence` / :func:`gather_sequence`: contiguous sharding and its autograd inverse
   (also for [B, S] position ids and [3, B, S] MRoPE positions).
 - :func:`ulysses_attention`: all-to-all sequence parallelism around varlen causal attention
-  (:func:`varlen_causal_attention`, with torch, torch-varlen and flash-attn backends); :func:`kv_gather_attention`
-  for any cp (all-gathered keys and values), :func:`context_parallel_attention` picking either.
+  (:func:`varlen_causal_attention`, with torch, torch-varlen and flash-attn backends); for any cp
+  :func:`kv_gather_attention` (all-gathered keys and values) and :func:`kv_ring_attention` (keys and values passed
+  around the ring: memory that does not grow with the row); :func:`context_parallel_attention` runs any of them.
 - Recurrent layers: :func:`causal_conv1d_cp` (halo exchange with document resets), :func:`ssd_cp` (Mamba-2) and
   :func:`gated_delta_rule_cp` (Gated DeltaNet), exact by passing states down the ranks (:func:`pass_states`);
   torch paths everywhere, flash-linear-attention kernels on CUDA when installed.
@@ -18,6 +19,12 @@ The pieces, in the order one packed row meets them:
 
 from cp_core.attention import AttentionBackend, resolve_attention_backend, varlen_causal_attention
 from cp_core.conv import causal_conv1d, causal_conv1d_cp, exchange_halo, naive_causal_conv1d
+from cp_core.cp_attention import (
+    ATTENTION_CP_STYLES,
+    AttentionCPStyle,
+    context_parallel_attention,
+    resolve_attention_cp_style,
+)
 from cp_core.errors import ContextParallelError
 from cp_core.gated_delta import (
     chunk_gated_delta_rule_torch,
@@ -27,14 +34,8 @@ from cp_core.gated_delta import (
 )
 from cp_core.head_parallel import check_head_parallel, fused_sequence_to_heads, local_groups, local_heads
 from cp_core.kernels import RecurrentBackend, resolve_recurrent_backend
-from cp_core.kv_gather import (
-    ATTENTION_CP_STYLES,
-    AttentionCPStyle,
-    context_parallel_attention,
-    gather_kv,
-    kv_gather_attention,
-    resolve_attention_cp_style,
-)
+from cp_core.kv_gather import gather_kv, kv_gather_attention
+from cp_core.kv_ring import kv_ring_attention
 from cp_core.packing import (
     PackedRowMetadata,
     build_packed_metadata,
@@ -91,6 +92,7 @@ __all__ = [
     "gather_variable",
     "heads_to_sequence",
     "kv_gather_attention",
+    "kv_ring_attention",
     "local_groups",
     "local_heads",
     "naive_causal_conv1d",

@@ -26,7 +26,6 @@ Against Ulysses (:mod:`cp_core.ulysses`), which needs cp to divide the query hea
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
@@ -35,7 +34,6 @@ from cp_core.errors import ContextParallelError
 from cp_core.packing import PackedRowMetadata
 from cp_core.sharding import all_gather_rows, exchange_p2p, reduce_scatter_rows
 from cp_core.topology import CPTopology
-from cp_core.ulysses import check_ulysses_heads, ulysses_attention
 
 
 class _GatherKeysValues(torch.autograd.Function):
@@ -165,9 +163,10 @@ blocking exchanges per layer, not worth a few scores."""
 
 
 def balanced_stretches(
-    metadata: PackedRowMetadata, sliding_window: int | None = None
+    metadata: PackedRowMetadata, sliding_window: int | None = None, rank: int | None = None
 ) -> tuple[list[QueryStretch], int | None]:
-    """The query stretches this rank attends and the partner it swaps queries with (None: no swap).
+    """The query stretches this rank (or rank ``rank`` of the same row) attends and the partner it swaps queries
+    with (None: no swap).
 
     With a document spanning the row, later ranks' queries read more keys: the last rank computes ``2 - 1/cp``
     times the mean. Every rank holds the whole gathered row, so any rank can attend any queries: ranks ``r`` and
@@ -175,7 +174,10 @@ def balanced_stretches(
     (``SWAP_GAIN``). Then rank ``r`` attends chunks ``2r`` and ``2 cp - 1 - 2r`` of the row cut in ``2 cp`` (the
     zigzag split): equal work for one document, except a middle pair whose gain is under 3 % (busiest / mean 1.02
     at cp 64). Every rank decides from the same global metadata, so a pair always agrees and nobody else waits."""
-    cp, rank, local = metadata.cp_size, metadata.cp_rank, metadata.local_len
+    cp, local = metadata.cp_size, metadata.local_len
+    rank = metadata.cp_rank if rank is None else rank
+    if not 0 <= rank < cp:
+        raise ContextParallelError(f"rank {rank} is outside [0, {cp})")
     partner, half = cp - 1 - rank, local // 2
 
     def stretches(of: int, swapped: bool) -> list[QueryStretch]:
@@ -282,52 +284,3 @@ class _SwapWithPartner(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return exchange_p2p(grad, grad.shape, ctx.partner, ctx.partner, ctx.topology), None, None
-
-
-AttentionCPStyle = Literal["auto", "ulysses", "kv_gather"]
-ATTENTION_CP_STYLES: tuple[str, ...] = ("auto", "ulysses", "kv_gather")
-
-
-def resolve_attention_cp_style(style: str, num_q_heads: int, num_kv_heads: int, cp_size: int) -> str:
-    """The concrete strategy, ``"ulysses"`` or ``"kv_gather"``, for these heads over ``cp_size`` ranks.
-
-    ``"auto"`` takes Ulysses where its head rule holds (even work per rank) and all-gather KV otherwise; a forced
-    ``"ulysses"`` raises the head rule's error, naming the way out."""
-    if style not in ATTENTION_CP_STYLES:
-        raise ContextParallelError(f"unknown attention CP style {style!r}; choose one of {ATTENTION_CP_STYLES}")
-    if num_q_heads % num_kv_heads:
-        raise ContextParallelError(f"q_heads={num_q_heads} is not a multiple of kv_heads={num_kv_heads}")
-    if style == "kv_gather":
-        return style
-    try:
-        check_ulysses_heads(num_q_heads, num_kv_heads, cp_size)
-    except ContextParallelError as exc:
-        if style == "ulysses":
-            raise ContextParallelError(
-                f"{exc}; or use attention CP style 'kv_gather' (or 'auto'), which takes any cp"
-            ) from None
-        return "kv_gather"
-    return "ulysses"
-
-
-def context_parallel_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    metadata: PackedRowMetadata,
-    topology: CPTopology,
-    style: str,
-    *,
-    scale: float | None = None,
-    sliding_window: int | None = None,
-    backend: AttentionBackend = "auto",
-) -> torch.Tensor:
-    """This rank's attention output under ``style`` ("ulysses" or "kv_gather"; resolve "auto" first with
-    :func:`resolve_attention_cp_style`, once per model rather than per call)."""
-    if style == "ulysses":
-        attend = ulysses_attention
-    elif style == "kv_gather":
-        attend = kv_gather_attention
-    else:
-        raise ContextParallelError(f"attention CP style must be 'ulysses' or 'kv_gather' here, got {style!r}")
-    return attend(q, k, v, metadata, topology, scale=scale, sliding_window=sliding_window, backend=backend)

@@ -1,0 +1,382 @@
+"""Ring attention: context parallelism for attention whose memory does not grow with the row.
+
+All-gather KV (:mod:`cp_core.kv_gather`) holds the whole row's keys and values on every rank while a layer's
+attention runs, and a zeroed row-sized buffer for their gradients in backward: ``2 S 2 Hkv D`` elements, 4 GiB a
+layer at 1M tokens for Qwen3.5-0.8B (2 KV heads of 256, bf16), the term that keeps cp 32 .. 64 above 1.15x the
+ideal per-rank memory. Here the keys and values travel instead:
+
+- Forward: each rank's ``[S / cp, Hkv, D]`` key and value shard (a *block*) passes around the ring of ranks, one
+  hop a step, the next hop in flight while the current block is used. A rank attends its queries against every
+  block it needs as it passes and merges the partial outputs by their log-sum-exp, the way FlashAttention merges
+  its tiles. It keeps for backward only its own q, k, v, the output and the log-sum-exp.
+- Backward: the blocks go around again with their key and value gradients beside them; each rank adds its queries'
+  share (the FlashAttention backward of one key block needs only the whole row's output and log-sum-exp, so the
+  split is exact) and the gradients end on the blocks' owners.
+- Queries are balanced as all-gather KV balances them (:func:`~cp_core.kv_gather.balanced_stretches`: rank pairs
+  swap half their queries where one document spans the row), and the ring makes only as many hops as the farthest
+  block any rank needs: ``cp - 1`` for a document spanning the row, one for documents no longer than a shard.
+
+Against all-gather KV, per rank and layer: the same ``hops S/cp 2 Hkv D`` elements forward and twice that
+backward (the blocks again and their gradients, where all-gather KV reduce-scatters the gradients only); two
+blocks and their gradients alive instead of the row and its gradient. A sliding window bounds the keys a rank
+reads anyway, so windowed attention runs all-gather KV.
+
+Kernels: one varlen call per (query range, key range) pair that also returns the log-sum-exp, and a backward that
+takes the merged output and log-sum-exp: torch's built-in FlashAttention-2 (``aten._flash_attention_forward`` /
+``_backward``, the kernels ``torch.nn.attention.varlen.varlen_attn`` runs) on CUDA fp16/bf16 tensors, and
+:func:`reference_block_forward` / :func:`reference_block_backward` (fp32 or fp64 math; the tests' oracle)
+elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from cp_core.attention import (
+    AttentionBackend,
+    _causal_mask,
+    check_attention_shard,
+    resolve_attention_backend,
+    varlen_causal_attention,
+)
+from cp_core.errors import ContextParallelError
+from cp_core.kv_gather import QueryStretch, balanced_stretches, kv_gather_attention, query_stretch
+from cp_core.packing import PackedRowMetadata, build_packed_metadata
+from cp_core.sharding import exchange_p2p
+from cp_core.topology import CPTopology
+
+# --------------------------------------------------------------------------------------------------------
+# Block kernels: attention of packed query ranges against key ranges with the log-sum-exp, and the backward given
+# the whole row's output and log-sum-exp. Layout as flash-attn's varlen: q [Tq, Hq, D], k/v [Tk, Hkv, D],
+# documents by cu_q / cu_k (int32); lse [Hq, Tq]. ``causal``: each document's keys are its queries' own positions
+# (equal lengths); otherwise every key precedes every query of its document (no mask).
+
+
+def reference_block_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, scale: float):
+    """Torch reference of a block's attention: ``(out, lse)`` in fp32 (fp64 for fp64 inputs)."""
+    compute = torch.promote_types(q.dtype, torch.float32)
+    group = q.size(1) // k.size(1)
+    outputs, lses = [], []
+    for (q0, q1), (k0, k1) in zip(_pairs(cu_q), _pairs(cu_k), strict=True):
+        qd = q[q0:q1].to(compute)
+        kd, vd = (t[k0:k1].to(compute).repeat_interleave(group, dim=1) for t in (k, v))
+        scores = torch.einsum("ihd,jhd->hij", qd, kd) * scale
+        if causal:
+            scores = scores.masked_fill(~_causal_mask(q1 - q0, k1 - k0, None, q.device), float("-inf"))
+        lse = scores.logsumexp(-1)
+        outputs.append(torch.einsum("hij,jhd->ihd", (scores - lse[..., None]).exp(), vd))
+        lses.append(lse)
+    return torch.cat(outputs), torch.cat(lses, dim=1)
+
+
+def reference_block_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal: bool, scale: float):
+    """Torch reference of a block's backward: ``(dq, dk, dv)`` of this block's share, from the row's ``out`` and
+    ``lse`` (the probabilities are ``exp(scores - lse)``; ``rowsum(dout * out)`` is the softmax's correction)."""
+    compute = torch.promote_types(q.dtype, torch.float32)
+    heads_kv, group = k.size(1), q.size(1) // k.size(1)
+    dqs, dks, dvs = [], [], []
+    for (q0, q1), (k0, k1) in zip(_pairs(cu_q), _pairs(cu_k), strict=True):
+        qd, do, od = (t[q0:q1].to(compute) for t in (q, dout, out))
+        kd, vd = (t[k0:k1].to(compute).repeat_interleave(group, dim=1) for t in (k, v))
+        scores = torch.einsum("ihd,jhd->hij", qd, kd) * scale
+        if causal:
+            scores = scores.masked_fill(~_causal_mask(q1 - q0, k1 - k0, None, q.device), float("-inf"))
+        probs = (scores - lse[:, q0:q1, None].to(compute)).exp()
+        dvs.append(torch.einsum("hij,ihd->jhd", probs, do))
+        dprobs = torch.einsum("ihd,jhd->hij", do, vd)
+        correction = (do * od).sum(-1).transpose(0, 1)  # [H, i]
+        dscores = probs * (dprobs - correction[..., None])
+        dqs.append(torch.einsum("hij,jhd->ihd", dscores, kd) * scale)
+        dks.append(torch.einsum("hij,ihd->jhd", dscores, qd) * scale)
+
+    def per_kv_head(t: torch.Tensor) -> torch.Tensor:
+        return t.view(t.size(0), heads_kv, group, t.size(2)).sum(2)
+
+    return torch.cat(dqs), per_kv_head(torch.cat(dks)), per_kv_head(torch.cat(dvs))
+
+
+def _pairs(cu: torch.Tensor) -> list[tuple[int, int]]:
+    bounds = cu.tolist()
+    return list(itertools.pairwise(bounds))
+
+
+def flash_block_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, scale: float):
+    """torch's FlashAttention-2 forward: ``(out, lse)``, out in q's dtype, lse fp32 ``[Hq, Tq]``."""
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale
+    )
+    if lse.shape != (q.size(1), q.size(0)):  # older flash kernels padded lse per document
+        raise ContextParallelError(
+            f"torch's flash attention returned a log-sum-exp of shape {tuple(lse.shape)}, not [heads, tokens] = "
+            f"{(q.size(1), q.size(0))}: ring attention needs the packed layout (torch >= 2.11)"
+        )
+    return out, lse
+
+
+def flash_block_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal: bool, scale: float):
+    """torch's FlashAttention-2 backward of one block, from the row's ``out`` and ``lse``."""
+    no_dropout = torch.zeros(2, dtype=torch.uint64, device=q.device)  # the rng state; unread without dropout
+    unused = torch.empty(0, device=q.device)
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, no_dropout, unused, scale=scale
+    )
+    return dq, dk, dv
+
+
+@dataclass(frozen=True)
+class BlockKernels:
+    forward: Callable
+    backward: Callable
+    on_host: bool
+    """Whether the kernels read the document bounds on the host (the reference) or on q's device."""
+
+
+REFERENCE_KERNELS = BlockKernels(reference_block_forward, reference_block_backward, on_host=True)
+FLASH_KERNELS = BlockKernels(flash_block_forward, flash_block_backward, on_host=False)
+
+
+def resolve_ring_kernels(backend: str, q: torch.Tensor, v: torch.Tensor) -> BlockKernels:
+    """The block kernels for ``backend`` and these tensors; raises when a forced fast backend cannot run them."""
+    chosen = resolve_attention_backend(backend, q)
+    if chosen == "torch":
+        return REFERENCE_KERNELS
+    problems = []
+    if not torch.backends.cuda.is_flash_attention_available():
+        problems.append("this torch build has no flash attention kernels")
+    if q.size(-1) != v.size(-1) or q.size(-1) > 256 or q.size(-1) % 8:
+        problems.append(f"flash attention needs one head dim <= 256 and a multiple of 8, got q {q.size(-1)}, "
+                        f"v {v.size(-1)}")  # fmt: skip
+    if problems:
+        raise ContextParallelError(
+            f"ring attention cannot use its flash kernels ({'; '.join(problems)}); use attention CP style "
+            "'kv_gather', or backend='torch' for the reference"
+        )
+    return FLASH_KERNELS
+
+
+# --------------------------------------------------------------------------------------------------------
+# The plan: which query rows meet which key rows of which block, the same on every rank.
+
+
+@dataclass(frozen=True)
+class BlockCall:
+    """One kernel call: rows ``rows`` of the attended queries against rows ``keys`` of the current block, as
+    documents of ``q_lens`` queries and ``k_lens`` keys; ``causal`` for the queries' own keys (the diagonal), else
+    every key comes before every query of its document (the first document's keys on earlier ranks)."""
+
+    rows: tuple[int, int]
+    keys: tuple[int, int]
+    q_lens: tuple[int, ...]
+    k_lens: tuple[int, ...]
+    causal: bool
+
+
+def block_calls(stretches: Sequence[QueryStretch], block_start: int, block_end: int) -> list[BlockCall]:
+    """The calls of ``stretches`` (attended one after another, their rows concatenated) against the global key
+    block ``[block_start, block_end)``. A stretch lies inside one block (it is a shard or half of one), and only its
+    first document can have keys before it, so a block gives a stretch at most a diagonal call and a call of its
+    first piece against earlier keys."""
+    calls, row = [], 0
+    for stretch in stretches:
+        length = stretch.end - stretch.start
+        if stretch.keys_before:
+            first, last = max(block_start, stretch.key_start), min(block_end, stretch.start)
+            if first < last:
+                piece = stretch.seq_lens[0]
+                keys = (first - block_start, last - block_start)
+                calls.append(BlockCall((row, row + piece), keys, (piece,), (last - first,), causal=False))
+        if block_start <= stretch.start and stretch.end <= block_end:
+            keys = (stretch.start - block_start, stretch.end - block_start)
+            calls.append(BlockCall((row, row + length), keys, stretch.seq_lens, stretch.seq_lens, causal=True))
+        row += length
+    return calls
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    """One rank's ring: the query stretches it attends, the partner it swaps half its queries with (None: no
+    swap), the hops every rank makes (the same on all of them), and per step ``t = 0 .. hops`` its calls against
+    the block it then holds, rank ``(rank - t) % cp``'s."""
+
+    stretches: tuple[QueryStretch, ...]
+    partner: int | None
+    hops: int
+    calls: tuple[tuple[BlockCall, ...], ...]
+
+
+@functools.lru_cache(maxsize=8)
+def ring_plans(seq_lens: tuple[int, ...], cp: int, balance: bool = True) -> tuple[RingPlan, ...]:
+    """Every rank's :class:`RingPlan` for a row of documents ``seq_lens`` over ``cp`` ranks (a pure function of
+    its arguments, cached: every attention layer of a step asks for the same row)."""
+    metadata = build_packed_metadata(seq_lens, 0, cp)
+    local = metadata.local_len
+    per_rank = []
+    for rank in range(cp):
+        if balance:
+            stretches, partner = balanced_stretches(metadata, rank=rank)
+        else:
+            stretches, partner = [query_stretch(metadata, rank * local, (rank + 1) * local)], None
+        by_step = []
+        for step in range(cp):
+            block = (rank - step) % cp
+            by_step.append(tuple(block_calls(stretches, block * local, (block + 1) * local)))
+        per_rank.append((tuple(stretches), partner, by_step))
+    hops = max(step for _, _, by_step in per_rank for step, calls in enumerate(by_step) if calls)
+    return tuple(
+        RingPlan(stretches, partner, hops, tuple(by_step[: hops + 1])) for stretches, partner, by_step in per_rank
+    )
+
+
+# --------------------------------------------------------------------------------------------------------
+# The ring
+
+
+def _shift(tensors: Sequence[torch.Tensor], send_to: int, recv_from: int, topology: CPTopology):
+    """Post sends of ``tensors`` to group rank ``send_to`` and receives of as many from ``recv_from``; returns the
+    pending works and the receive buffers (valid once the works are waited on)."""
+    group, ops, received = topology.group, [], []
+    for tensor in tensors:
+        buffer = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        ops.append(dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, send_to), group))
+        ops.append(dist.P2POp(dist.irecv, buffer, dist.get_global_rank(group, recv_from), group))
+        received.append(buffer)
+    return dist.batch_isend_irecv(ops), received
+
+
+def _wait(pending) -> list[torch.Tensor]:
+    works, received = pending
+    for work in works:
+        work.wait()
+    return received
+
+
+def _bounds(
+    calls_by_step: Sequence[Sequence[BlockCall]], device: torch.device
+) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Each call's ``cu_q`` and ``cu_k`` (int32), step by step: views of one tensor moved to ``device`` in one
+    copy."""
+    flat = []
+    for calls in calls_by_step:
+        for call in calls:
+            for lens in (call.q_lens, call.k_lens):
+                flat.append(0)
+                for n in lens:
+                    flat.append(flat[-1] + n)
+    table = torch.tensor(flat, dtype=torch.int32).to(device, non_blocking=True)
+    bounds, at = [], 0
+    for calls in calls_by_step:
+        bounds.append([])
+        for call in calls:
+            n = len(call.q_lens) + 1
+            bounds[-1].append((table[at : at + n], table[at + n : at + 2 * n]))
+            at += 2 * n
+    return bounds
+
+
+def _swap_second_half(x: torch.Tensor, partner: int | None, topology: CPTopology) -> torch.Tensor:
+    """``x`` with its second half exchanged for the partner's (``x`` itself without a partner)."""
+    if partner is None:
+        return x
+    half = x.size(0) // 2
+    theirs = exchange_p2p(x[half:], x[half:].shape, partner, partner, topology)
+    return torch.cat([x[:half], theirs])
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan: RingPlan, topology: CPTopology, scale: float, kernels: BlockKernels):
+        cp, rank = topology.size, topology.rank
+        queries = _swap_second_half(q, plan.partner, topology).contiguous()
+        bounds = _bounds(plan.calls, torch.device("cpu") if kernels.on_host else q.device)
+        compute = torch.promote_types(q.dtype, torch.float32)
+        out = q.new_zeros((*queries.shape[:2], v.size(2)), dtype=compute)
+        lse = q.new_full((q.size(1), q.size(0)), float("-inf"), dtype=compute)
+        block = [k.contiguous(), v.contiguous()]
+        for step, calls in enumerate(plan.calls):
+            pending = _shift(block, (rank + 1) % cp, (rank - 1) % cp, topology) if step < plan.hops else None
+            for call, (cu_q, cu_k) in zip(calls, bounds[step], strict=True):
+                (r0, r1), (k0, k1) = call.rows, call.keys
+                out_c, lse_c = kernels.forward(
+                    queries[r0:r1], block[0][k0:k1], block[1][k0:k1], cu_q, cu_k,
+                    max(call.q_lens), max(call.k_lens), call.causal, scale,
+                )  # fmt: skip
+                merged = torch.logaddexp(lse[:, r0:r1], lse_c)
+                keep = (lse[:, r0:r1] - merged).exp().transpose(0, 1).unsqueeze(-1)
+                add = (lse_c - merged).exp().transpose(0, 1).unsqueeze(-1)
+                out[r0:r1] = out[r0:r1] * keep + out_c.to(compute) * add
+                lse[:, r0:r1] = merged
+            if pending is not None:
+                block = _wait(pending)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(queries, k, v, out, lse)
+        ctx.plan, ctx.topology, ctx.scale, ctx.kernels, ctx.bounds = plan, topology, scale, kernels, bounds
+        return _swap_second_half(out, plan.partner, topology)
+
+    @staticmethod
+    def backward(ctx, grad):
+        queries, k, v, out, lse = ctx.saved_tensors
+        plan, topology, kernels, bounds = ctx.plan, ctx.topology, ctx.kernels, ctx.bounds
+        cp, rank = topology.size, topology.rank
+        dout = _swap_second_half(grad, plan.partner, topology).contiguous()
+        compute = torch.promote_types(queries.dtype, torch.float32)
+        dq = torch.zeros_like(queries, dtype=compute)
+        block = [k.contiguous(), v.contiguous()]
+        # The gradients travel in the keys' dtype, rounded at each hop as a ring reduce-scatter's would be.
+        dblock = [torch.zeros_like(block[0]), torch.zeros_like(block[1])]
+        for step, calls in enumerate(plan.calls):
+            pending = _shift(block, (rank + 1) % cp, (rank - 1) % cp, topology) if step < plan.hops else None
+            for call, (cu_q, cu_k) in zip(calls, bounds[step], strict=True):
+                (r0, r1), (k0, k1) = call.rows, call.keys
+                dq_c, dk_c, dv_c = kernels.backward(
+                    dout[r0:r1], queries[r0:r1], block[0][k0:k1], block[1][k0:k1], out[r0:r1],
+                    lse[:, r0:r1].contiguous(), cu_q, cu_k, max(call.q_lens), max(call.k_lens),
+                    call.causal, ctx.scale,
+                )  # fmt: skip
+                dq[r0:r1] += dq_c
+                for acc, contribution in zip(dblock, (dk_c, dv_c), strict=True):
+                    acc[k0:k1] = acc[k0:k1].to(compute) + contribution.to(compute)
+            if pending is not None:
+                dblock = _wait(_shift(dblock, (rank + 1) % cp, (rank - 1) % cp, topology))
+                block = _wait(pending)
+        if plan.hops:  # this rank holds block (rank - hops)'s gradients: back to their owner
+            dblock = _wait(_shift(dblock, (rank - plan.hops) % cp, (rank + plan.hops) % cp, topology))
+        dq = _swap_second_half(dq.to(queries.dtype), plan.partner, topology)
+        return dq, dblock[0], dblock[1], None, None, None, None
+
+
+def kv_ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    metadata: PackedRowMetadata,
+    topology: CPTopology,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    backend: AttentionBackend = "auto",
+    balance: bool = True,
+) -> torch.Tensor:
+    """Causal varlen attention of this rank's queries against the row's keys and values passed around the ring.
+
+    q [S/cp, Hq, D], k and v [S/cp, Hkv, D] (this rank's tokens); returns [S/cp, Hq, Dv], the rows an unsharded
+    run computes for these tokens. ``balance``: rank pairs swap half their queries where that evens the causal
+    work. With a ``sliding_window`` this is :func:`~cp_core.kv_gather.kv_gather_attention` (the window bounds the
+    keys a rank holds). Without CP it is plain varlen attention over ``metadata``'s documents.
+    """
+    check_attention_shard(q, k, v, metadata, topology)
+    if sliding_window is not None:
+        return kv_gather_attention(
+            q, k, v, metadata, topology, scale=scale, sliding_window=sliding_window, backend=backend, balance=balance
+        )  # fmt: skip
+    if not topology.enabled:
+        return varlen_causal_attention(q, k, v, metadata.cu_seqlens, metadata.max_seqlen, scale=scale, backend=backend)
+    kernels = resolve_ring_kernels(backend, q, v)
+    plan = ring_plans(metadata.seq_lens, topology.size, balance)[topology.rank]
+    scale = q.size(-1) ** -0.5 if scale is None else scale
+    return _RingAttention.apply(q, k, v, plan, topology, scale, kernels)
