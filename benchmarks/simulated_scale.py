@@ -7,7 +7,8 @@ Each point S:cp builds nothing new: the model (bf16, activation checkpointing un
 rank cp // 2 (``--rank middle``; or the first or last) of a ``fake`` group of cp ranks (its collectives return at
 once with the right shapes and garbage data), then runs forward + backward of that rank's S / cp tokens of one document spanning the row (every rank
 passes recurrent state and conv halo; attention is Ulysses, so each rank computes S x heads / cp, or beyond the
-query heads all-gathered KV, ``--attention-cp``, where a rank's queries meet every earlier key of the document). A short row per
+query heads all-gathered KV, where a rank's queries meet every earlier key of the document; ``--attention-cp kv_ring``
+passes K|V blocks around the ring instead, whose received blocks are garbage on the fake group, as every collective's are). A short row per
 cp compiles and autotunes first (most of fla's tuning keys exclude the length; its norms' do not). Measured at each point: the bytes this rank
 sends, under ``cp_core.testing.CommCounter`` during a first step at the exact shape (checkpointing's recomputed
 forward collectives included; its wall time is kept as first_step_s; ``--planned-bytes`` takes them from the
@@ -248,7 +249,7 @@ def write_table(rows: list[dict], args, device_name: str) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        strategy = " (kv_gather)" if r.get("attention") == "kv_gather" else ""
+        strategy = f" ({r['attention']})" if r.get("attention") in ("kv_gather", "kv_ring") else ""
         head = f"| {r['seq_len']} | {r['cp']}{strategy} | {r['local_tokens']} "
         if r.get("status") != "ok":
             lines.append(head + f"| {r['status']} | | | | | | | |")
@@ -310,8 +311,9 @@ def main() -> None:
     parser.add_argument("--snapshot", type=int, default=0, metavar="ENTRIES",
                         help="CUDA: record the first step's allocations (this many trace entries) and keep the "
                         "blocks alive at its peak, by allocating site, in the row's peak_breakdown")  # fmt: skip
-    parser.add_argument("--attention-cp", choices=("auto", "ulysses", "kv_gather"), default="auto",
-                        help="softmax attention's CP strategy (auto: Ulysses where the heads allow, else all-gather KV)")  # fmt: skip
+    parser.add_argument("--attention-cp", choices=("auto", "ulysses", "kv_gather", "kv_ring"), default="auto",
+                        help="softmax attention's CP strategy (auto: Ulysses where the heads allow, else all-gather KV; "
+                        "kv_ring: K|V blocks around the ring)")  # fmt: skip
     parser.add_argument("--baseline", type=Path, default=None,
                         help="an earlier run's json whose cp = 1 rows give the ideal where this run has none")  # fmt: skip
     args = parser.parse_args()

@@ -208,6 +208,8 @@ VARIANTS = {
     "moe_checkpointed": ("moe_groups1", {"checkpointing": True}, lm_case, ("cuts_inside_documents",)),
     # Attention by all-gathered keys and values.
     "hybrid_kv_gather": ("hybrid", {}, functools.partial(lm_case, attention_cp_style="kv_gather"), SUBSET),
+    # Keys and values passed around the ring.
+    "hybrid_kv_ring": ("hybrid", {}, functools.partial(lm_case, attention_cp_style="kv_ring"), SUBSET),
     # The other order: CP attributes first, then checkpointing.
     "hybrid_checkpoint_after_cp": (
         "hybrid",

@@ -247,6 +247,12 @@ VARIANTS = {
         functools.partial(lm_case, attention_cp_style="kv_gather", expect_attention="kv_gather"),
         None,
     ),
+    # Keys and values passed around the ring, with checkpointing (the ring runs again in the recomputation).
+    "dense_kv_ring_checkpointed": (
+        functools.partial(build_model, "dense", checkpointing=True),
+        functools.partial(lm_case, attention_cp_style="kv_ring", expect_attention="kv_ring"),
+        SUBSET,
+    ),
     # ... and chosen by "auto" where it cannot: 2 query heads, 1 KV head, fewer than cp = 4 (cp = 2 keeps Ulysses).
     "moe_two_heads_auto": (
         functools.partial(build_model, "moe", num_attention_heads=2, head_dim=16),

@@ -171,17 +171,19 @@ def test_cp_matches_unsharded(workers, weights, row_name, vision_cp, dtype, chec
             assert all(torch.count_nonzero(r["grads"][n.removeprefix("grad.")]) == 0 for n in vision)
 
 
-def test_kv_gather_attention_matches_unsharded(workers, weights):
-    """Text attention by all-gathered keys and values (MRoPE positions, the image spanning three shards at cp 4),
-    fp64: the same outputs and gradients as the unsharded model."""
+def test_kv_gather_and_ring_attention_match_unsharded(workers, weights):
+    """Text attention by all-gathered keys and values and by keys and values passed around the ring (MRoPE
+    positions, the image spanning three shards at cp 4), fp64: the same outputs and gradients as the unsharded
+    model."""
     row = {k: v for k, v in pad_row(build_row(ROWS["one_big_image"], seed=3), 4).items() if k != "docs"}
     args = ({"moe": False}, weights[False], row, "shard", False, 1, torch.float64)
     reference = run_rank(CPTopology.single(), *args)
-    errors = compare(workers.run(run_rank, *args, "kv_gather"), reference)
-    out_tol, grad_tol = TOLERANCES[torch.float64]
-    bad = {n: e for n, e in errors.items() if not e <= (grad_tol if n.startswith("grad.") else out_tol)}
-    assert not bad, bad
-    assert any("self_attn" in n for n in errors)
+    for style in ("kv_gather", "kv_ring"):
+        errors = compare(workers.run(run_rank, *args, style), reference)
+        out_tol, grad_tol = TOLERANCES[torch.float64]
+        bad = {n: e for n, e in errors.items() if not e <= (grad_tol if n.startswith("grad.") else out_tol)}
+        assert not bad, (style, bad)
+        assert any("self_attn" in n for n in errors)
 
 
 def test_shard_and_replicate_agree(workers, weights):

@@ -143,7 +143,7 @@ INVALID = [
             "num_attention_heads=6",
             "cp to divide the query heads",
             "choose cp in [1, 2, 3, 6]",
-            "or use attention CP style 'kv_gather' (or 'auto'), which takes any cp",
+            "or use attention CP style 'kv_gather' or 'kv_ring' (or 'auto'), which take any cp",
         ],
     ),
     (
@@ -393,8 +393,8 @@ rank = 4
     # and the other strategy) ...
     with pytest.raises(ConfigError, match=r"choose cp in \[1, 2, 3, 6\]; or use attention CP style 'kv_gather'"):
         load_config(str(toml), ["--parallel.cp", "4"])
-    # ... but is for all-gathered KV, forced or picked by "auto"
-    for style in ("kv_gather", "auto"):
+    # ... but is for all-gathered or ring-passed KV, forced, or all-gathered KV picked by "auto"
+    for style in ("kv_gather", "kv_ring", "auto"):
         assert load_config(str(toml), ["--parallel.cp", "4", "--parallel.attention_cp", style]).parallel.cp == 4
     with pytest.raises(ConfigError, match=r"parallel\.attention_cp"):
         load_config(str(toml), ["--parallel.attention_cp", "ring"])

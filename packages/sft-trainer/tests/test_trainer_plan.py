@@ -189,12 +189,11 @@ def test_qwen35_layer_bytes_equal_the_closed_forms(cp, dtype):
             seq_len, cp, dense.num_attention_heads, dense.num_key_value_heads, dense.head_dim, elem, recompute=recompute
         )
         assert attention == expected > 0
+        heads = (dense.num_attention_heads, dense.num_key_value_heads, dense.head_dim, elem)
         gathered = busiest_rank_bytes(_qwen_layer(dense, 3, dtype), cp, seq_len, recompute, "kv_gather")
-        expected = plan.kv_gather_attention_bytes(
-            seq_len, cp, dense.num_attention_heads, dense.num_key_value_heads, dense.head_dim, elem,
-            recompute=recompute,
-        )  # fmt: skip
-        assert gathered == expected > 0
+        assert gathered == plan.kv_gather_attention_bytes(seq_len, cp, *heads, recompute=recompute) > 0
+        ring = busiest_rank_bytes(_qwen_layer(dense, 3, dtype), cp, seq_len, recompute, "kv_ring")
+        assert ring == plan.kv_ring_attention_bytes(seq_len, cp, *heads, recompute=recompute) > gathered
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -216,6 +215,8 @@ def test_nemotron_h_layer_bytes_equal_the_closed_forms(cp):
         gathered = busiest_rank_bytes(block, cp, seq_len, recompute, "kv_gather")
         q, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         assert gathered == plan.kv_gather_attention_bytes(seq_len, cp, q, kv, d, 2, recompute=recompute) > 0
+        ring = busiest_rank_bytes(block, cp, seq_len, recompute, "kv_ring")
+        assert ring == plan.kv_ring_attention_bytes(seq_len, cp, q, kv, d, 2, recompute=recompute) > 0
     for index in (3, 4):  # MLP, MoE: token-wise
         assert busiest_rank_bytes(_nemotron_block(config, index, "state_passing"), cp, seq_len) == 0
 
@@ -252,6 +253,10 @@ def test_attention_strategy_beyond_the_query_heads():
         if ulysses:
             assert ulysses["attn_gathered"] == (8 + 2 * max(2, cp)) * 256 and ulysses["attn_q_cp"] == 8 * 256
             assert ulysses["attn_kv_row"] == 0
+        ring = plan.layer_widths(config, cp, attention_cp="kv_ring")
+        assert ring["attn_gathered"] == (8 + 2 * 2) * 256 and ring["attn_kv_blocks"] == 8 * 2 * 256
+        assert ring["attn_kv_row"] == ring["attn_q_cp"] == gathered["attn_kv_blocks"] == 0
+    assert plan.attention_strategy(config, 64, "kv_ring") == "kv_ring"
     nano = shipped("nemotron_h-nano-30b-a3b")
     assert plan.attention_strategy(nano, 64, "auto") == "kv_gather"
     assert plan.attention_strategy(nano, 32, "auto") == "ulysses"
@@ -285,6 +290,54 @@ def test_kv_gather_keeps_the_gathered_row_alive_on_every_rank():
             assert gathered_bytes in sizes, (rank, sorted(sizes))
             del out
             set_context_parallel_attributes(attention, None, 0, 1)
+
+
+def _attention_saved_bytes(config, rank: int, cp: int, local: int, style: str) -> int:
+    """Bytes autograd keeps for backward of one Qwen3.5 attention layer (bf16, torch paths) on ``rank`` of a fake
+    group of ``cp`` ranks, one document spanning the row, storages counted once."""
+    from cp_core.testing import saved_storages
+    from cp_models.qwen3_5 import Qwen35Attention
+
+    attention = Qwen35Attention(config, "torch", "torch").to(torch.bfloat16)
+    with fake_process_group(rank, cp) as group:
+        set_context_parallel_attributes(attention, group, rank, cp, attention_cp_style=style)
+        meta = build_packed_metadata([cp * local], rank, cp)
+        x = torch.randn(local, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+        rotary = Qwen35Rotary(config)(meta.local_position_ids, torch.bfloat16)
+        _, storages = saved_storages(lambda: attention(x, rotary, meta))
+    return sum(storages.values())
+
+
+def test_kv_ring_keeps_the_same_bytes_at_any_cp():
+    """The planner's ring model (attn_kv_row 0): an attention layer under kv_ring keeps the same bytes for backward
+    on the last rank at cp 4 and 16 for the same tokens a rank, where kv_gather's grow by at least the row's extra
+    k|v (on these CPU torch paths also by the reference kernel's probabilities over the longer key range)."""
+    config = tiny_qwen35_config()
+    local, kv_token = 16, 2 * config.num_key_value_heads * config.head_dim * 2
+    ring = {cp: _attention_saved_bytes(config, cp - 1, cp, local, "kv_ring") for cp in (4, 16)}
+    gathered = {cp: _attention_saved_bytes(config, cp - 1, cp, local, "kv_gather") for cp in (4, 16)}
+    assert ring[4] == ring[16] < gathered[4], (ring, gathered)
+    assert gathered[16] - gathered[4] >= (16 - 4) * local * kv_token, gathered
+
+
+def test_does_not_fit_suggests_the_ring(capsys):
+    """0.8B, 2M tokens over cp 64 with all-gathered KV and checkpointing, on a GPU between the two estimates: the
+    message proposes kv_ring with its estimate."""
+    config = shipped("qwen3_5-0.8b")
+    seq_len, cp = 2097152, 64
+
+    def need(attention_cp):
+        kw = dict(activation_checkpointing=True, fsdp_world=cp, attention_cp=attention_cp)
+        return plan.estimate_memory(config, seq_len, cp, **kw).needed / GIB
+
+    gpu = round((need("kv_gather") + need("kv_ring")) / 2, 1)
+    assert need("kv_ring") < gpu < need("kv_gather")
+    args = ("--data.seq_len", str(seq_len), "--parallel.cp", str(cp), "--model.activation_checkpointing", "true")
+    message = _does_not_fit(capsys, *args, "--gpu-memory-gib", str(gpu), "--parallel.attention_cp", "kv_gather")
+    assert f"set parallel.attention_cp = 'kv_ring' (then {need('kv_ring'):.1f} GiB)" in message, message
+    assert "kv_ring" not in _does_not_fit(
+        capsys, *args, "--gpu-memory-gib", str(round(need("kv_ring") - 1, 1)), "--parallel.attention_cp", "kv_gather"
+    )
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -40,9 +40,9 @@ class ContextParallelModule(nn.Module):
 
 
 class ContextParallelAttention(ContextParallelModule):
-    """Softmax attention under CP, by Ulysses or by all-gathered keys and values (``attention_cp_style``, resolved
-    once per model by :func:`set_context_parallel_attributes`). Subclasses set ``num_heads``, ``num_kv_heads``
-    and ``attention_backend`` and call :meth:`attend`."""
+    """Softmax attention under CP, by Ulysses or by all-gathered or ring-passed keys and values
+    (``attention_cp_style``, resolved once per model by :func:`set_context_parallel_attributes`). Subclasses set
+    ``num_heads``, ``num_kv_heads`` and ``attention_backend`` and call :meth:`attend`."""
 
     num_heads: int
     num_kv_heads: int
@@ -85,8 +85,9 @@ def set_context_parallel_attributes(
     """Set the CP topology on every token-mixing layer of ``model`` (through activation-checkpoint wrappers).
 
     ``attention_cp_style`` picks how softmax attention splits: "ulysses" (the default: all-to-all over heads, even
-    work; cp must divide the query heads), "kv_gather" (all-gathered keys and values; any cp; later ranks do more
-    of the causal work) or "auto" (Ulysses where its head rule holds, else all-gathered KV).
+    work; cp must divide the query heads), "kv_gather" (all-gathered keys and values; any cp), "kv_ring" (keys and
+    values passed around the ring; any cp, memory that does not grow with the row) or "auto" (Ulysses where its
+    head rule holds, else all-gathered KV).
 
     Validates every layer for ``world_size`` first (head rules), so nothing is half-configured on error. Raises
     :class:`ContextParallelError` for a model containing token-mixing modules that have no CP implementation.

@@ -347,12 +347,13 @@ class ParallelConfig(_Section):
         "'a2a' (head-parallel all-to-all, needs cp | Mamba heads). Softmax attention follows attention_cp under "
         "every style. 'auto': 'ulysses' for Qwen3.5, 'state_passing' for Nemotron-H.",
     )
-    attention_cp: Literal["ulysses", "kv_gather", "auto"] = Field(
+    attention_cp: Literal["ulysses", "kv_gather", "kv_ring", "auto"] = Field(
         "ulysses",
         description="How softmax-attention layers split over cp: 'ulysses' (the default: all-to-all to head shards, "
         "even work per rank; cp must divide the query heads), 'kv_gather' (every rank all-gathers the row's keys and "
-        "values; any cp; the later ranks do more of the causal work), 'auto': 'ulysses' where the heads allow it, "
-        "else 'kv_gather'.",
+        "values; any cp), 'kv_ring' (the keys and values pass around the ring of ranks; any cp; per-rank memory "
+        "that does not grow with the row, twice kv_gather's bytes in backward), 'auto': 'ulysses' where the heads "
+        "allow it, else 'kv_gather'.",
     )
     fsdp: bool = Field(
         True,

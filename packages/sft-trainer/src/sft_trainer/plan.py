@@ -91,6 +91,10 @@ ACTIVATION_COEFFICIENTS: dict[str, dict[str, dict[str, float]]] = {
     # them to [keys, Hq, D]), then the gather's one zeroed row buffer for the reduce-scatter once the saved row is
     # freed. Measured on the H200 (0.8B, 32k tokens a rank, middle rank): 1M / cp 32 and 2M / cp 64 peaked 2.2 and
     # 4.8 GiB above the 6.7 GiB of 128k / cp 4, for 2 and 4 GiB of row: 1.3 units; 512k / cp 16 (1 GiB) did not rise.
+    # Ring-passed KV (cp_core.kv_ring; attn_kv_row 0): attn_gathered is the kernel's q (the swapped queries) and the
+    # rank's own rotated k, v, (Hq + 2 Hkv) D, saved 1 with the fp32 log-sum-exp (q_heads_f32, as every path);
+    # transient attn_kv_blocks 1: the block in use, the one arriving, and their two gradient buffers (8 Hkv D).
+    # Modelled from the code, not yet measured on the GPU.
     "qwen3_5.attention": {
         "saved": {
             "hidden": 1,
@@ -102,7 +106,7 @@ ACTIVATION_COEFFICIENTS: dict[str, dict[str, dict[str, float]]] = {
             "q_heads_f32": 2,
             "kv_heads_f32": 1,
         },
-        "transient": {"attn_gathered": 3, "attn_kv_row": 0.3, "attn_q": 2, "attn_q_f32": 1},
+        "transient": {"attn_gathered": 3, "attn_kv_row": 0.3, "attn_kv_blocks": 1, "attn_q": 2, "attn_q_f32": 1},
     },
     # SwiGLU MLP: its input (hidden 1); gate_proj and up_proj outputs (intermediate 2: silu(gate) and the product
     # are recomputed in backward, cp_models.common.swiglu_linear). Backward: silu(gate), then the product's
@@ -170,10 +174,11 @@ ACTIVATION_COEFFICIENTS: dict[str, dict[str, dict[str, float]]] = {
         "transient": {},
     },
     # Attention without gate, norms or rotary: normed input; the gathered q, k, v; the attention output; the
-    # output after the exchange back (cp > 1; o_proj's input); the log-sum-exp. All-gathered KV as in Qwen3.5's.
+    # output after the exchange back (cp > 1; o_proj's input); the log-sum-exp. All-gathered and ring-passed KV as
+    # in Qwen3.5's.
     "nemotron_h.attention": {
         "saved": {"hidden": 1, "attn_gathered": 1, "attn_kv_row": 1, "attn_q": 1, "attn_q_cp": 1, "q_heads_f32": 1},
-        "transient": {"attn_gathered": 3, "attn_kv_row": 0.3, "attn_q": 2, "attn_q_f32": 1},
+        "transient": {"attn_gathered": 3, "attn_kv_row": 0.3, "attn_kv_blocks": 1, "attn_q": 2, "attn_q_f32": 1},
     },
     # squared-ReLU MLP: input, up_proj's output (relu(x)^2 is recomputed in backward,
     # cp_models.common.squared_relu_linear). Backward: relu(x), the gradient, 2 relu(x) (at most 3 at once).
@@ -251,6 +256,7 @@ __all__ = [
     "format_plan",
     "gdn_bytes",
     "kv_gather_attention_bytes",
+    "kv_ring_attention_bytes",
     "layer_widths",
     "longest_seq_len",
     "main",
@@ -311,6 +317,36 @@ def kv_gather_attention_bytes(
     swap = 2 * (local - local // 2) * q_heads * (head_dim + dv) * elem if balance and local > 1 else 0
     total = 2 * (cp - 1) * local * kv_heads * (head_dim + dv) * elem + swap
     return total + (total // 2 if recompute else 0)
+
+
+def kv_ring_attention_bytes(
+    seq_len: int,
+    cp: int,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    elem: int = 2,
+    *,
+    recompute: bool = False,
+    balance: bool = True,
+    v_head_dim: int | None = None,
+) -> int:
+    """Bytes one rank sends per ring-attention layer and row, forward + backward, for one document spanning the row
+    (``cp - 1`` hops, every rank sending the same).
+
+    With ``B = (S/cp) Hkv (D + Dv) elem``, a rank's k|v block: forward ``(cp-1) B`` (the block it holds, passed on
+    each hop); backward ``2 (cp-1) B`` (the block and its gradient each hop) and ``B`` (the gradient back to its
+    owner); plus the query swap of ``balance`` as in :func:`kv_gather_attention_bytes`. ``recompute``: activation
+    checkpointing re-runs the forward share in backward.
+    """
+    if cp == 1:
+        return 0
+    local, dv = seq_len // cp, head_dim if v_head_dim is None else v_head_dim
+    block = local * kv_heads * (head_dim + dv) * elem
+    swap = 2 * (local - local // 2) * q_heads * (head_dim + dv) * elem if balance and local > 1 else 0
+    forward = (cp - 1) * block + swap // 2
+    backward = 2 * (cp - 1) * block + block + swap // 2
+    return forward + backward + (forward if recompute else 0)
 
 
 def _state_passing_bytes(halo_channels: int, conv_width: int, state_elems: int, cp: int, elem: int, recompute: bool):
@@ -552,8 +588,8 @@ def _runs_prepass(cp: int, rank: int | None) -> bool:
 
 
 def attention_strategy(text_config, cp: int, attention_cp: str = "ulysses") -> str | None:
-    """How the model's softmax attention splits over ``cp`` under ``attention_cp``: "ulysses" or "kv_gather"
-    (cp_core.resolve_attention_cp_style; raises its error when forced Ulysses cannot); None without attention."""
+    """How the model's softmax attention splits over ``cp`` under ``attention_cp``: "ulysses", "kv_gather" or
+    "kv_ring" (cp_core.resolve_attention_cp_style; raises its error when forced Ulysses cannot); None without attention."""
     from cp_core import resolve_attention_cp_style
 
     types = text_config.layers_block_type if _family(text_config) == "nemotron_h" else text_config.layer_types
@@ -577,15 +613,24 @@ def layer_widths(
     if strategy is not None:
         d, hq, hkv = _head_dim(c), c.num_attention_heads, c.num_key_value_heads
         gathered = strategy == "kv_gather" and cp > 1
+        ring = strategy == "kv_ring" and cp > 1
+        if gathered:
+            kernel_inputs = hq * d
+        elif ring:
+            kernel_inputs = (hq + 2 * hkv) * d
+        else:
+            kernel_inputs = (hq + 2 * max(hkv, cp)) * d
         w.update(
             attn_q=hq * d,
             attn_kv=hkv * d,
             # all-gather KV: the kernel's q is the local one, and its output is already in the local layout (no
             # exchange back); the gathered row's k|v buffer (cp T tokens) is attn_kv_row, kept whole on every rank
-            # by the attention's views of it.
-            attn_gathered=hq * d if gathered else (hq + 2 * max(hkv, cp)) * d,
+            # by the attention's views of it. Ring: the local q and the rank's own k, v; the blocks in flight are
+            # attn_kv_blocks.
+            attn_gathered=kernel_inputs,
             attn_kv_row=2 * hkv * cp * d if gathered else 0,
-            attn_q_cp=hq * d if cp > 1 and not gathered else 0,
+            attn_kv_blocks=8 * hkv * d if ring else 0,
+            attn_q_cp=hq * d if cp > 1 and not (gathered or ring) else 0,
             q_heads=hq,
             kv_heads=hkv,
         )
@@ -810,7 +855,7 @@ def estimate_memory(
     and optimizer state; activations are counted as for full fine-tuning (an upper bound), with the MLPs' plain
     expression where ``down_proj`` is a target. ``rank``: the estimate
     of that CP rank rather than the busiest (see :func:`activation_bytes_per_token`). ``attention_cp``: as
-    ``parallel.attention_cp`` ("ulysses", the default, "kv_gather" or "auto").
+    ``parallel.attention_cp`` ("ulysses", the default, "kv_gather", "kv_ring" or "auto").
     """
     if seq_len % cp:
         raise ValueError(f"seq_len={seq_len} is not divisible by cp={cp}")
@@ -1016,9 +1061,13 @@ def _layer_rows(
         comm = "none"
         if kind == "attention":
             q, kv, d = text_config.num_attention_heads, text_config.num_key_value_heads, _head_dim(text_config)
-            if attention_strategy(text_config, cp, attention_cp) == "kv_gather":
+            attention = attention_strategy(text_config, cp, attention_cp)
+            if attention == "kv_gather":
                 per_layer = kv_gather_attention_bytes(seq_len, cp, q, kv, d, elem, recompute=recompute)
                 strategy, comm = "all-gather K|V of the row, half the queries swapped per rank pair", "all_gather"
+            elif attention == "kv_ring":
+                per_layer = kv_ring_attention_bytes(seq_len, cp, q, kv, d, elem, recompute=recompute)
+                strategy, comm = "K|V blocks around the ring, half the queries swapped per rank pair", "ring"
             else:
                 per_layer = ulysses_attention_bytes(seq_len, cp, q, kv, d, elem, recompute=recompute)
                 strategy, comm = f"Ulysses all-to-all, KV heads x{max(1, cp // kv)}", "all_to_all"
@@ -1096,7 +1145,7 @@ def build_plan(cfg, *, gpu_memory_gib: float | None = None, nvlink_gbps: float =
     chosen = memory["checkpointing" if ckpt else "no_checkpointing"]
     rows = _layer_rows(text, seq_len, cp, mamba_style, elem, ckpt, chosen.per_token, attention_cp)
     total = sum(r["bytes"] for r in rows)
-    kinds = ("state_passing", "all_to_all", "all_gather")
+    kinds = ("state_passing", "all_to_all", "all_gather", "ring")
     shares = {kind: sum(r["bytes"] for r in rows if r["comm"] == kind) for kind in kinds}
 
     longest = {}
@@ -1148,9 +1197,11 @@ def build_plan(cfg, *, gpu_memory_gib: float | None = None, nvlink_gbps: float =
             "state_passing_bytes": shares["state_passing"],
             "all_to_all_bytes": shares["all_to_all"],
             "all_gather_bytes": shares["all_gather"],
+            "ring_bytes": shares["ring"],
             "state_passing_share": shares["state_passing"] / total if total else 0.0,
             "all_to_all_share": shares["all_to_all"] / total if total else 0.0,
             "all_gather_share": shares["all_gather"] / total if total else 0.0,
+            "ring_share": shares["ring"] / total if total else 0.0,
             "nvlink_gbps": nvlink_gbps,
             "time_ms_per_row": total / (nvlink_gbps * 1e9) * 1e3,
             "recompute_included": ckpt,
@@ -1176,6 +1227,10 @@ def _does_not_fit(text, cfg, dp, cp, gpu, chosen, memory_kwargs, longest, style,
         with_ckpt = estimate_memory(text, seq_len, cp, **memory_kwargs(cp, True))
         if with_ckpt.needed <= gpu * GIB:
             fixes.append(f"enable model.activation_checkpointing (then {with_ckpt.needed / GIB:.1f} GiB)")
+    if cp > 1 and attention_strategy(text, cp, attention_cp) == "kv_gather":
+        ring = estimate_memory(text, seq_len, cp, **{**memory_kwargs(cp, ckpt), "attention_cp": "kv_ring"})
+        if ring.needed <= gpu * GIB:
+            fixes.append(f"set parallel.attention_cp = 'kv_ring' (then {ring.needed / GIB:.1f} GiB)")
     for cp_ in range(cp + 1, 257):
         if seq_len % cp_ or seq_len < _min_seq_len(text, cp_, style) or valid_cp(text, cp_, style, attention_cp):
             continue
@@ -1242,7 +1297,8 @@ def format_plan(plan: Mapping[str, Any]) -> str:
     total = c["bytes_per_row"]
     out.append(
         f"  total per row: {_size(total)}; state passing {c['state_passing_share']:.1%}, all-to-all "
-        f"{c['all_to_all_share']:.1%}, all-gather {c['all_gather_share']:.1%}; per optimizer step "
+        f"{c['all_to_all_share']:.1%}, all-gather {c['all_gather_share']:.1%}, ring {c['ring_share']:.1%}; per "
+        "optimizer step "
         f"({r['grad_accum']} rows): {_size(c['bytes_per_step'])}"
     )
     out.append(
