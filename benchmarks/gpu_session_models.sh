@@ -18,6 +18,7 @@
 #   POINTS="262144:2 262144:4" bash benchmarks/gpu_session_models.sh scale-time  # peaks and compute time per cp
 #   bash benchmarks/gpu_session_models.sh peaks     # allocation sites at the 256k / cp 4 peak; rank 0 at cp 2, 4
 #   bash benchmarks/gpu_session_models.sh kvgather  # all-gathered-KV attention: GPU tests, layer time, 0.8B at cp 16 / 64
+#   bash benchmarks/gpu_session_models.sh ring      # ring attention: its flash block kernels' test, 0.8B at cp 16 / 32 / 64
 # Logs and tables land under $OUT. Compilation and autotuning of fla's kernels cost minutes per fresh machine (the
 # first step of a new process: ~175 s for a Qwen3.5 model, 8 minutes on 2026-12-04 for the simulated 0.8B at cp 16;
 # a lone Mamba layer did not finish in 150 s), so every part leaves the Triton cache (compiled kernels and fla's
@@ -165,6 +166,17 @@ case "${1:-tests}" in
     timeout "${SCALE_S:-380}" python3 benchmarks/simulated_scale.py --out "$OUT/kv" --shape qwen3_5-0.8b --limit-s 150 \
       --planned-bytes --warmup-tokens 4096 --baseline docs/benchmarks/simulated_scale_qwen3_5-0.8b.json \
       --points ${POINTS:-524288:16 1048576:32} 2>&1 | tee "$OUT/kv/log.txt" | grep -E "^\||^\{"
+    ;;
+  ring)  # K|V blocks around the ring (kv_ring): the flash block kernels against the reference, then the long rows
+    # past Ulysses' head limit that all-gathered KV held at 0.955 / 1.26 / 1.63x the ideal (2026-12-04s)
+    versions | tee "$OUT/device.txt"
+    mkdir -p "$OUT/ring"
+    timeout 150 python3 -m pytest -v -p no:cacheprovider packages/cp-core/tests/test_core_attention_gpu.py -k ring \
+      2>&1 | tee "$OUT/ring/tests.log" | grep -E "PASS|FAIL|ERROR|passed|failed"
+    timeout "${SCALE_S:-420}" python3 benchmarks/simulated_scale.py --out "$OUT/ring" --shape qwen3_5-0.8b --limit-s 150 \
+      --attention-cp kv_ring --planned-bytes --warmup-tokens 4096 \
+      --baseline docs/benchmarks/simulated_scale_qwen3_5-0.8b.json --points ${POINTS:-524288:16 1048576:32 2097152:64} \
+      2>&1 | tee "$OUT/ring/log.txt" | grep -E "^\||^\{"
     ;;
   large)
     mkdir -p "$OUT/large"
