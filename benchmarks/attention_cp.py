@@ -1,12 +1,14 @@
-"""Ulysses vs all-gathered KV for one softmax-attention layer: bytes each rank sends, what it holds, how evenly the
-causal work splits, cp = 2 .. 64.
+"""Ulysses vs all-gathered KV vs ring-passed KV for one softmax-attention layer: bytes each rank sends, what it
+holds, how evenly the causal work splits, cp = 2 .. 64.
 
 Bytes are counted by ``cp_core.testing.CommCounter`` on a ``fake`` process group (true shapes, meaningless data), as
 in ulysses_bytes.py, and must equal sft_trainer.plan's closed forms. All-gathered KV: the real
 ``kv_gather_attention`` on 128-token documents at the smallest length (each shard's work is already even, so no rank
 swaps queries: the closed form without ``balance``), and for one document spanning the row at every length, with
 its exchanges real and its attention arithmetic replaced by a cheap shape-preserving stand-in (rank pairs swap half
-their queries: the closed form with ``balance``). The work split is exact arithmetic on the packed-row metadata: the
+their queries: the closed form with ``balance``). Ring-passed KV: the real ``kv_ring_attention`` for one document
+spanning the row, its block kernels replaced by shape-preserving stand-ins (the plan, hops and exchanges real). The
+work split is exact arithmetic on the packed-row metadata: the
 causal scores a rank computes (``cp_core.kv_gather.QueryStretch.causal_scores``); Ulysses gives every rank ``1/cp``
 of every document's scores (by heads); all-gathered KV each rank its own queries' scores, or with balancing
 (``balanced_stretches``) half of its own and half of its partner's where that evens the work.
@@ -25,10 +27,17 @@ import torch
 from ulysses_bytes import DOC_LEN, SHAPES
 from ulysses_bytes import measure as measure_ulysses
 
-from cp_core import CPTopology, build_packed_metadata, kv_gather_attention, resolve_attention_cp_style
+from cp_core import (
+    CPTopology,
+    build_packed_metadata,
+    kv_gather_attention,
+    kv_ring_attention,
+    resolve_attention_cp_style,
+)
 from cp_core.kv_gather import balanced_stretches, query_stretch
+from cp_core.kv_ring import BlockKernels
 from cp_core.testing import CommCounter, fake_process_group
-from sft_trainer.plan import kv_gather_attention_bytes, ulysses_attention_bytes
+from sft_trainer.plan import kv_gather_attention_bytes, kv_ring_attention_bytes, ulysses_attention_bytes
 
 WORK_LAYOUTS = {"one document": None, "8k documents": 8192}
 
@@ -56,6 +65,31 @@ def measure_kv_gather(seq_len: int, cp: int, hq: int, hkv: int, dim: int, real: 
             else:
                 with mock.patch("cp_core.kv_gather.varlen_causal_attention", _stand_in_attention):
                     out = kv_gather_attention(q, k, v, metadata, topology, backend="torch")
+            out.backward(torch.zeros_like(out))
+        return counter.total_sent_bytes, len(counter.records)
+
+
+STAND_IN_BLOCKS = BlockKernels(
+    forward=lambda q, k, v, *args: (
+        q.new_zeros(q.size(0), q.size(1), v.size(2)),
+        q.new_zeros(q.size(1), q.size(0), dtype=torch.float32),
+    ),
+    backward=lambda dout, q, k, v, *args: (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)),
+    on_host=True,
+)
+
+
+def measure_kv_ring(seq_len: int, cp: int, hq: int, hkv: int, dim: int) -> tuple[int, int]:
+    """Bytes rank 0 sends and its number of sends and receives, forward + backward, one document spanning the row."""
+    with fake_process_group(0, cp) as group:
+        topology = CPTopology.from_group(group)
+        metadata = build_packed_metadata([seq_len], topology.rank, cp)
+        local = seq_len // cp
+        q = torch.zeros(local, hq, dim, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.zeros(local, hkv, dim, dtype=torch.bfloat16, requires_grad=True)
+        v = torch.zeros(local, hkv, dim, dtype=torch.bfloat16, requires_grad=True)
+        with CommCounter(cp) as counter, mock.patch("cp_core.kv_ring.resolve_ring_kernels", lambda *a: STAND_IN_BLOCKS):
+            out = kv_ring_attention(q, k, v, metadata, topology, backend="torch")
             out.backward(torch.zeros_like(out))
         return counter.total_sent_bytes, len(counter.records)
 
@@ -98,15 +132,23 @@ def main() -> None:
                     ulysses, _ = measure_ulysses(seq_len, cp, hq, hkv, dim, torch.bfloat16, full_attention=False)
                     if ulysses != ulysses_attention_bytes(seq_len, cp, hq, hkv, dim, elem):
                         raise SystemExit(f"Ulysses counted {ulysses} bytes, the closed form differs")
+                ring, ring_ops = measure_kv_ring(seq_len, cp, hq, hkv, dim)
+                if ring != kv_ring_attention_bytes(seq_len, cp, hq, hkv, dim, elem):
+                    raise SystemExit(f"kv_ring counted {ring} bytes, the closed form differs ({name}, {seq_len}, {cp})")
                 held = seq_len * 2 * hkv * dim * elem  # the gathered k|v buffer, on every rank
+                ring_held = 4 * (seq_len // cp) * 2 * hkv * dim * elem  # two blocks and their gradients in flight
                 work = {
                     label: (busiest_over_mean(seq_len, cp, n, False), busiest_over_mean(seq_len, cp, n, True))
                     for label, n in WORK_LAYOUTS.items()
                 }
-                rows.append((name, hq, hkv, dim, seq_len, cp, ulysses, gathered, collectives, held, work))
+                rows.append(
+                    (name, hq, hkv, dim, seq_len, cp, ulysses, gathered, collectives, held, ring, ring_ops, ring_held,
+                     work)
+                )  # fmt: skip
                 print(rows[-1], flush=True)
     lines = [
-        "# Softmax attention under CP: Ulysses vs all-gathered KV, per layer and rank (bf16, forward + backward)",
+        "# Softmax attention under CP: Ulysses vs all-gathered vs ring-passed KV, per layer and rank (bf16, forward +",
+        "backward)",
         "",
         "Bytes counted by `cp_core.testing.CommCounter` on a `fake` process group, for one document spanning the row",
         "(rank 0; method in benchmarks/attention_cp.py), equal to the closed forms `2 (cp-1) (S/cp) 2 Hkv D b + 4",
@@ -117,20 +159,24 @@ def main() -> None:
         "the mean under all-gathered KV, each rank attending its own queries | rank pairs swapping half their queries",
         "where that evens the work (the default), for one document spanning the row and for 8k-token documents",
         "(Ulysses: 1.00 by heads). `auto` takes Ulysses wherever it can run; `-` marks a cp that does not divide the",
-        "query heads.",
+        "query heads. Ring: the bytes of `kv_ring_attention` (counted, equal to `3 (cp-1) B + B` plus the same swap, `B`",
+        "= `(S/cp) 2 Hkv D b` a rank's k|v block: the blocks forward, the blocks and their gradients backward, the",
+        "gradients home), its sends and receives, and what it holds instead of the row: two blocks and their two",
+        "gradient buffers, `4 B`, whatever S. The ring balances the work as all-gathered KV does (the same stretches).",
         "",
         "Reproduce: `uv run python benchmarks/attention_cp.py`",
         "",
         "| model shape | q / kv heads | S | cp | Ulysses MiB | all-gather KV MiB | collectives | held GiB "
+        "| ring MiB | ring sends + receives | ring held GiB "
         + "".join(f"| busiest / mean, {label} " for label in WORK_LAYOUTS)
         + "|",
-        "|---|---|---|---|---|---|---|---|" + "---|" * len(WORK_LAYOUTS),
+        "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(WORK_LAYOUTS),
     ]
-    for name, hq, hkv, _dim, seq_len, cp, ulysses, gathered, collectives, held, work in rows:
+    for name, hq, hkv, _dim, seq_len, cp, ulysses, gathered, collectives, held, ring, ring_ops, ring_held, work in rows:
         u = "-" if ulysses is None else f"{ulysses / 2**20:.1f}"
         lines.append(
             f"| {name} | {hq} / {hkv} | {seq_len} | {cp} | {u} | {gathered / 2**20:.1f} | {collectives} "
-            f"| {held / 2**30:.3f} "
+            f"| {held / 2**30:.3f} | {ring / 2**20:.1f} | {ring_ops} | {ring_held / 2**30:.3f} "
             + "".join(f"| {work[label][0]:.2f} \\| {work[label][1]:.2f} " for label in WORK_LAYOUTS)
             + "|"
         )
