@@ -35,7 +35,7 @@ from cp_core import (
     resolve_attention_cp_style,
 )
 from cp_core.kv_gather import balanced_stretches, query_stretch
-from cp_core.kv_ring import BlockKernels
+from cp_core.kv_ring import BlockKernels, ring_layout
 from cp_core.testing import CommCounter, fake_process_group
 from sft_trainer.plan import kv_gather_attention_bytes, kv_ring_attention_bytes, ulysses_attention_bytes
 
@@ -108,6 +108,15 @@ def busiest_over_mean(seq_len: int, cp: int, doc_len: int | None, balance: bool)
     return max(work) / (sum(work) / cp)
 
 
+def ring_busiest_over_mean(seq_len: int, cp: int, doc_len: int | None) -> tuple[float, int]:
+    """Ring-passed KV with its balancing (pairs swap only where the ring gets no longer): the busiest rank's causal
+    scores over the mean, and the ring's hops."""
+    lens = (seq_len,) if doc_len is None else (doc_len,) * (seq_len // doc_len)
+    stretches, _, hops = ring_layout(lens, cp)
+    work = [sum(s.causal_scores() for s in mine) for mine in stretches]
+    return max(work) / (sum(work) / cp), hops
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[32768, 131072])
@@ -136,9 +145,13 @@ def main() -> None:
                 if ring != kv_ring_attention_bytes(seq_len, cp, hq, hkv, dim, elem):
                     raise SystemExit(f"kv_ring counted {ring} bytes, the closed form differs ({name}, {seq_len}, {cp})")
                 held = seq_len * 2 * hkv * dim * elem  # the gathered k|v buffer, on every rank
-                ring_held = 4 * (seq_len // cp) * 2 * hkv * dim * elem  # two blocks and their gradients in flight
+                ring_held = 8 * (seq_len // cp) * 2 * hkv * dim * elem  # blocks and gradients in flight, fp32 share
                 work = {
-                    label: (busiest_over_mean(seq_len, cp, n, False), busiest_over_mean(seq_len, cp, n, True))
+                    label: (
+                        busiest_over_mean(seq_len, cp, n, False),
+                        busiest_over_mean(seq_len, cp, n, True),
+                        *ring_busiest_over_mean(seq_len, cp, n),
+                    )
                     for label, n in WORK_LAYOUTS.items()
                 }
                 rows.append(
@@ -161,23 +174,28 @@ def main() -> None:
         "(Ulysses: 1.00 by heads). `auto` takes Ulysses wherever it can run; `-` marks a cp that does not divide the",
         "query heads. Ring: the bytes of `kv_ring_attention` (counted, equal to `3 (cp-1) B + B` plus the same swap, `B`",
         "= `(S/cp) 2 Hkv D b` a rank's k|v block: the blocks forward, the blocks and their gradients backward, the",
-        "gradients home), its sends and receives, and what it holds instead of the row: two blocks and their two",
-        "gradient buffers, `4 B`, whatever S. The ring balances the work as all-gathered KV does (the same stretches).",
+        "gradients home), its sends and receives, and what it holds instead of the row, whatever S: at most `8 B` in",
+        "backward (the block in use and the one arriving, the gradients received, going out and new, the rank's fp32",
+        "share). Ring busiest / mean: the ring's balancing, all-gathered KV's where a swap keeps the ring as short as",
+        "without swaps (`cp_core.kv_ring.ring_layout`), and its hops.",
         "",
         "Reproduce: `uv run python benchmarks/attention_cp.py`",
         "",
         "| model shape | q / kv heads | S | cp | Ulysses MiB | all-gather KV MiB | collectives | held GiB "
         "| ring MiB | ring sends + receives | ring held GiB "
-        + "".join(f"| busiest / mean, {label} " for label in WORK_LAYOUTS)
+        + "".join(f"| busiest / mean, {label} | ring busiest / mean (hops), {label} " for label in WORK_LAYOUTS)
         + "|",
-        "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(WORK_LAYOUTS),
+        "|---|---|---|---|---|---|---|---|---|---|---|" + "---|---|" * len(WORK_LAYOUTS),
     ]
     for name, hq, hkv, _dim, seq_len, cp, ulysses, gathered, collectives, held, ring, ring_ops, ring_held, work in rows:
         u = "-" if ulysses is None else f"{ulysses / 2**20:.1f}"
         lines.append(
             f"| {name} | {hq} / {hkv} | {seq_len} | {cp} | {u} | {gathered / 2**20:.1f} | {collectives} "
             f"| {held / 2**30:.3f} | {ring / 2**20:.1f} | {ring_ops} | {ring_held / 2**30:.3f} "
-            + "".join(f"| {work[label][0]:.2f} \\| {work[label][1]:.2f} " for label in WORK_LAYOUTS)
+            + "".join(
+                f"| {work[label][0]:.2f} \\| {work[label][1]:.2f} | {work[label][2]:.2f} ({work[label][3]}) "
+                for label in WORK_LAYOUTS
+            )
             + "|"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -88,13 +88,21 @@ def test_fast_backend_aligns_shorter_queries_at_the_bottom_right(backend, window
         assert _rel(a, b) < 1e-2, (name, _rel(a, b))
 
 
+RING_BLOCKS = {  # (query lengths, key lengths or None for the diagonal); max_q == 1 takes flash's swapped GQA path
+    "diagonal": ([1000, 3, 2093], None),
+    "diagonal_single_tokens": ([1, 1, 1], None),
+    "earlier_keys": ([1000, 3, 2093], [517, 2048, 1]),
+    "one_query_earlier_keys": ([1], [517]),
+}
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available() or not torch.backends.cuda.is_flash_attention_available(),
     reason="needs torch's flash attention kernels",
 )
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("block", list(RING_BLOCKS))
 @pytest.mark.parametrize("heads,dim", [((8, 2), 256), ((16, 16), 128)])
-def test_ring_flash_block_kernels_match_reference(causal, heads, dim):
+def test_ring_flash_block_kernels_match_reference(block, heads, dim):
     """Ring attention's fast block kernels (aten's FlashAttention-2 with the log-sum-exp, and its backward from a
     given output and log-sum-exp) against the torch reference on the same bf16 inputs: the output within the
     tolerance above, the log-sum-exp within 1e-2 absolute, and the backward from the reference's (rounded) output
@@ -107,8 +115,9 @@ def test_ring_flash_block_kernels_match_reference(causal, heads, dim):
     )
 
     torch.manual_seed(0)
-    q_lens = [1000, 3, 2093]
-    k_lens = q_lens if causal else [517, 2048, 1]
+    q_lens, k_lens = RING_BLOCKS[block]
+    causal = k_lens is None
+    k_lens = q_lens if causal else k_lens
     (hq, hkv), scale = heads, dim**-0.5
     q = torch.randn(sum(q_lens), hq, dim, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(sum(k_lens), hkv, dim, device="cuda", dtype=torch.bfloat16)

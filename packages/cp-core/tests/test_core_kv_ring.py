@@ -182,11 +182,20 @@ def test_ring_plan_computes_every_causal_pair_once(cp, balance):
             want = _causal_pairs(seq_lens, plan.stretches)
             assert sorted(got) == sorted(want), (seq_lens, rank)
             assert len(got) == len(set(got)), (seq_lens, rank)
-        if balance:
-            meta = build_packed_metadata(seq_lens, 0, cp)
-            assert [(p.stretches, p.partner) for p in plans] == [
-                (tuple(s), partner) for s, partner in (balanced_stretches(meta, rank=r) for r in range(cp))
-            ]
+        meta = build_packed_metadata(seq_lens, 0, cp)
+        own = [(query_stretch(meta, r * total // cp, (r + 1) * total // cp),) for r in range(cp)]
+        if balance:  # all-gathered KV's swap where it keeps the ring as short as without swaps, else none
+            unbalanced = ring_plans(tuple(seq_lens), cp, False)[0].hops
+            assert plans[0].hops <= unbalanced
+            for rank, plan in enumerate(plans):
+                gather_choice = balanced_stretches(meta, rank=rank)
+                assert (plan.stretches, plan.partner) in (
+                    (tuple(gather_choice[0]), gather_choice[1]),
+                    (own[rank], None),
+                )
+                assert plan.partner is None or plans[plan.partner].partner == rank
+        else:
+            assert [p.stretches for p in plans] == own and {p.partner for p in plans} == {None}
 
 
 def test_ring_makes_only_the_hops_some_rank_needs():
@@ -195,10 +204,13 @@ def test_ring_makes_only_the_hops_some_rank_needs():
     assert ring_plans((8, 8, 8, 8), cp)[0].hops == 0  # every cut on a shard boundary: no traffic at all
     assert ring_plans((4, 8, 8, 8, 4), cp)[0].hops == 1  # documents straddle one cut each
     assert ring_plans((4, 16, 12), cp, balance=False)[0].hops == 2  # document 2 spans ranks 0 .. 2
-    # Two documents of two shards: without the swap each rank needs the block before its own; with it rank 1
-    # attends half of rank 2's queries, whose document starts in block 2, the last the ring brings rank 1.
-    assert ring_plans((2 * local, 2 * local), cp, balance=False)[0].hops == 1
-    assert ring_plans((2 * local, 2 * local), cp)[0].hops == 3
+    # Two documents of two shards: each rank needs the block before its own. Swapping would even the work (rank
+    # 1 attending half of rank 2's queries), but rank 1 would then wait for block 2, which comes round last: the
+    # ring keeps its one hop and nobody swaps.
+    for balance in (False, True):
+        plans = ring_plans((2 * local, 2 * local), cp, balance)
+        assert plans[0].hops == 1 and {p.partner for p in plans} == {None}
+    assert balanced_stretches(build_packed_metadata([2 * local, 2 * local], 0, cp), rank=1)[1] == 2  # under kv_gather
     plan = ring_plans((32,), cp)[0]
     assert plan.partner == 3 and [(s.start, s.end) for s in plan.stretches] == [(0, 4), (28, 32)]
 
@@ -233,11 +245,15 @@ def test_without_cp_ring_is_plain_varlen_attention():
     got = context_parallel_attention(q, k, v, meta, CPTopology.single(), "kv_ring", backend="torch")
     assert torch.equal(got, want)
     want = torch_varlen_attention(q, k, v, meta.cu_seqlens, sliding_window=3)
-    assert torch.equal(kv_ring_attention(q, k, v, meta, CPTopology.single(), sliding_window=3), want)
+    assert torch.equal(kv_ring_attention(q, k, v, meta, CPTopology.single(), sliding_window=3), want)  # no CP
     with pytest.raises(ContextParallelError, match="metadata was built for rank 1 of cp=2"):
         kv_ring_attention(q[:12], k[:12], v[:12], build_packed_metadata(seq_lens, 1, 2), CPTopology.single())
     with pytest.raises(ContextParallelError, match="sliding_window must be >= 1 or None, got 0"):
         kv_ring_attention(q, k, v, meta, CPTopology.single(), sliding_window=0)
+    window = r"ring attention takes no sliding window \(got sliding_window=3"
+    with fake_process_group(1, 2) as group, pytest.raises(ContextParallelError, match=window):  # before any exchange
+        meta_1 = build_packed_metadata(seq_lens, 1, 2)
+        kv_ring_attention(q[12:], k[12:], v[12:], meta_1, CPTopology.from_group(group), sliding_window=3)
 
 
 def test_ring_kernels_by_backend():
@@ -348,7 +364,6 @@ PARITY_CONFIGS = {
     "v_dim": {"q_heads": 4, "kv_heads": 1, "v_dim": HEAD_DIM + 4},
     "unbalanced": {"q_heads": 4, "kv_heads": 2, "balance": False},
     "strided_q": {"q_heads": 4, "kv_heads": 2, "strided": True},
-    "window_runs_gather": {"q_heads": 2, "kv_heads": 1, "sliding_window": 5},
 }
 
 

@@ -254,7 +254,7 @@ def test_attention_strategy_beyond_the_query_heads():
             assert ulysses["attn_gathered"] == (8 + 2 * max(2, cp)) * 256 and ulysses["attn_q_cp"] == 8 * 256
             assert ulysses["attn_kv_row"] == 0
         ring = plan.layer_widths(config, cp, attention_cp="kv_ring")
-        assert ring["attn_gathered"] == (8 + 2 * 2) * 256 and ring["attn_kv_blocks"] == 8 * 2 * 256
+        assert ring["attn_gathered"] == (8 + 2 * 2) * 256 and ring["attn_kv_blocks"] == 16 * 2 * 256
         assert ring["attn_kv_row"] == ring["attn_q_cp"] == gathered["attn_kv_blocks"] == 0
     assert plan.attention_strategy(config, 64, "kv_ring") == "kv_ring"
     nano = shipped("nemotron_h-nano-30b-a3b")

@@ -25,6 +25,9 @@ Against Ulysses (:mod:`cp_core.ulysses`), which needs cp to divide the query hea
 
 from __future__ import annotations
 
+import bisect
+import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -137,17 +140,21 @@ class QueryStretch:
 
 def query_stretch(metadata: PackedRowMetadata, start: int, end: int, sliding_window: int | None = None) -> QueryStretch:
     """The documents' pieces of the global query stretch ``[start, end)`` of ``metadata``'s row."""
-    lens, doc_start, keys_before = [], 0, 0
-    for n in metadata.seq_lens:
-        doc_end = doc_start + n
-        if doc_end > start and doc_start < end:
-            if not lens:
-                keys_before = start - doc_start if doc_start < start else 0
-            lens.append(min(doc_end, end) - max(doc_start, start))
-        doc_start = doc_end
+    if end <= start:
+        return QueryStretch(start, end, (), 0)
+    offsets = document_offsets(metadata.seq_lens)
+    first, last = bisect.bisect_right(offsets, start) - 1, bisect.bisect_right(offsets, end - 1) - 1
+    lens = tuple(min(offsets[i + 1], end) - max(offsets[i], start) for i in range(first, last + 1))
+    keys_before = start - offsets[first]
     if sliding_window is not None:
         keys_before = min(keys_before, sliding_window - 1)
-    return QueryStretch(start, end, tuple(lens), keys_before)
+    return QueryStretch(start, end, lens, keys_before)
+
+
+@functools.lru_cache(maxsize=8)
+def document_offsets(seq_lens: tuple[int, ...]) -> tuple[int, ...]:
+    """Each document's first token in the row, then the row's length (cached: every layer asks for the same row)."""
+    return (0, *itertools.accumulate(seq_lens))
 
 
 def key_range(metadata: PackedRowMetadata, sliding_window: int | None = None) -> tuple[int, int]:

@@ -13,13 +13,14 @@ ideal per-rank memory. Here the keys and values travel instead:
   share (the FlashAttention backward of one key block needs only the whole row's output and log-sum-exp, so the
   split is exact) and the gradients end on the blocks' owners.
 - Queries are balanced as all-gather KV balances them (:func:`~cp_core.kv_gather.balanced_stretches`: rank pairs
-  swap half their queries where one document spans the row), and the ring makes only as many hops as the farthest
-  block any rank needs: ``cp - 1`` for a document spanning the row, one for documents no longer than a shard.
+  swap half their queries where one document spans the row) where that does not lengthen the ring, and the ring
+  makes only as many hops as the farthest block any rank needs: ``cp - 1`` for a document spanning the row, one for
+  documents no longer than a shard (:func:`ring_layout`).
 
 Against all-gather KV, per rank and layer: the same ``hops S/cp 2 Hkv D`` elements forward and twice that
 backward (the blocks again and their gradients, where all-gather KV reduce-scatters the gradients only); two
-blocks and their gradients alive instead of the row and its gradient. A sliding window bounds the keys a rank
-reads anyway, so windowed attention runs all-gather KV.
+blocks and their gradients alive instead of the row and its gradient. No sliding window: windowed attention runs
+Ulysses or all-gather KV.
 
 Kernels: one varlen call per (query range, key range) pair that also returns the log-sum-exp, and a backward that
 takes the merged output and log-sum-exp: torch's built-in FlashAttention-2 (``aten._flash_attention_forward`` /
@@ -46,7 +47,7 @@ from cp_core.attention import (
     varlen_causal_attention,
 )
 from cp_core.errors import ContextParallelError
-from cp_core.kv_gather import QueryStretch, balanced_stretches, kv_gather_attention, query_stretch
+from cp_core.kv_gather import QueryStretch, balanced_stretches, query_stretch
 from cp_core.packing import PackedRowMetadata, build_packed_metadata
 from cp_core.sharding import exchange_p2p
 from cp_core.topology import CPTopology
@@ -111,12 +112,18 @@ def flash_block_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, scale: 
     out, lse, *_ = torch.ops.aten._flash_attention_forward(
         q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale
     )
-    if lse.shape != (q.size(1), q.size(0)):  # older flash kernels padded lse per document
-        raise ContextParallelError(
-            f"torch's flash attention returned a log-sum-exp of shape {tuple(lse.shape)}, not [heads, tokens] = "
-            f"{(q.size(1), q.size(0))}: ring attention needs the packed layout (torch >= 2.11)"
-        )
     return out, lse
+
+
+@functools.cache
+def _flash_lse_is_packed(device: torch.device) -> bool:
+    """Whether torch's flash kernels return the varlen log-sum-exp as ``[heads, tokens]`` (older flash-attn 2
+    releases padded it per document), probed once per device with a two-document call."""
+    q = torch.zeros(3, 2, 8, device=device, dtype=torch.bfloat16)
+    kv = torch.zeros(3, 1, 8, device=device, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 1, 3], dtype=torch.int32, device=device)
+    _, lse = flash_block_forward(q, kv, kv, cu, cu, 2, 2, True, 1.0)
+    return tuple(lse.shape) == (2, 3)
 
 
 def flash_block_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal: bool, scale: float):
@@ -152,6 +159,8 @@ def resolve_ring_kernels(backend: str, q: torch.Tensor, v: torch.Tensor) -> Bloc
     if q.size(-1) != v.size(-1) or q.size(-1) > 256 or q.size(-1) % 8:
         problems.append(f"flash attention needs one head dim <= 256 and a multiple of 8, got q {q.size(-1)}, "
                         f"v {v.size(-1)}")  # fmt: skip
+    elif not problems and not _flash_lse_is_packed(q.device):
+        problems.append(f"torch {torch.__version__}'s flash kernels pad the log-sum-exp per document")
     if problems:
         raise ContextParallelError(
             f"ring attention cannot use its flash kernels ({'; '.join(problems)}); use attention CP style "
@@ -210,27 +219,71 @@ class RingPlan:
     calls: tuple[tuple[BlockCall, ...], ...]
 
 
+def _last_step(rank: int, cp: int, first_block: int, last_block: int) -> int:
+    """The last ring step at which ``rank`` holds one of blocks ``first_block .. last_block`` (block ``x`` is there at
+    step ``(rank - x) % cp``): the earliest block at or before ``rank``, or the first block after it, which comes
+    round last."""
+    steps = []
+    if first_block <= rank:
+        steps.append(rank - first_block)
+    if last_block > rank:
+        steps.append(cp + rank - max(first_block, rank + 1))
+    return max(steps)
+
+
+def _steps_needed(stretches: Sequence[QueryStretch], rank: int, cp: int, local: int) -> int:
+    return max(_last_step(rank, cp, s.key_start // local, (s.end - 1) // local) for s in stretches)
+
+
 @functools.lru_cache(maxsize=8)
-def ring_plans(seq_lens: tuple[int, ...], cp: int, balance: bool = True) -> tuple[RingPlan, ...]:
-    """Every rank's :class:`RingPlan` for a row of documents ``seq_lens`` over ``cp`` ranks (a pure function of
-    its arguments, cached: every attention layer of a step asks for the same row)."""
+def ring_layout(
+    seq_lens: tuple[int, ...], cp: int, balance: bool = True
+) -> tuple[tuple[tuple[QueryStretch, ...], ...], tuple[int | None, ...], int]:
+    """Every rank's query stretches and partner, and the hops of the ring, for a row of documents ``seq_lens`` over
+    ``cp`` ranks (a pure function of its arguments, cached: every attention layer of a step asks for the same row).
+
+    Balancing is all-gathered KV's (:func:`~cp_core.kv_gather.balanced_stretches`), with one more rule: a pair swaps
+    only if neither rank then needs a block later than the unbalanced ring's last step. Keys travel one way, so a
+    rank attending its partner's queries waits for blocks from the far side of the ring: for documents shorter than
+    a shard a swap would stretch the ring from one hop to ``cp - 1`` (each a block sent forward and a block and its
+    gradient backward) to even out a little compute. For a document spanning the row every rank needs ``cp - 1``
+    hops anyway, and the pairs swap as under all-gathered KV."""
     metadata = build_packed_metadata(seq_lens, 0, cp)
     local = metadata.local_len
-    per_rank = []
-    for rank in range(cp):
-        if balance:
-            stretches, partner = balanced_stretches(metadata, rank=rank)
-        else:
-            stretches, partner = [query_stretch(metadata, rank * local, (rank + 1) * local)], None
-        by_step = []
-        for step in range(cp):
-            block = (rank - step) % cp
-            by_step.append(tuple(block_calls(stretches, block * local, (block + 1) * local)))
-        per_rank.append((tuple(stretches), partner, by_step))
-    hops = max(step for _, _, by_step in per_rank for step, calls in enumerate(by_step) if calls)
-    return tuple(
-        RingPlan(stretches, partner, hops, tuple(by_step[: hops + 1])) for stretches, partner, by_step in per_rank
-    )
+    own = [(query_stretch(metadata, r * local, (r + 1) * local),) for r in range(cp)]
+    unbalanced_hops = max(_steps_needed(own[r], r, cp, local) for r in range(cp))
+    stretches: list[tuple[QueryStretch, ...]] = list(own)
+    partners: list[int | None] = [None] * cp
+    if balance:
+        for rank in range(cp // 2):
+            partner = cp - 1 - rank
+            mine, swapped = balanced_stretches(metadata, rank=rank)
+            if swapped is None:
+                continue
+            theirs, _ = balanced_stretches(metadata, rank=partner)
+            if max(_steps_needed(mine, rank, cp, local), _steps_needed(theirs, partner, cp, local)) > unbalanced_hops:
+                continue
+            stretches[rank], stretches[partner] = tuple(mine), tuple(theirs)
+            partners[rank], partners[partner] = partner, rank
+    hops = max(_steps_needed(stretches[r], r, cp, local) for r in range(cp))
+    return tuple(stretches), tuple(partners), hops
+
+
+@functools.lru_cache(maxsize=8)
+def ring_plan(seq_lens: tuple[int, ...], cp: int, rank: int, balance: bool = True) -> RingPlan:
+    """Rank ``rank``'s :class:`RingPlan` (see :func:`ring_layout`; cached)."""
+    stretches, partners, hops = ring_layout(seq_lens, cp, balance)
+    local = sum(seq_lens) // cp
+    calls = []
+    for step in range(hops + 1):
+        block = (rank - step) % cp
+        calls.append(tuple(block_calls(stretches[rank], block * local, (block + 1) * local)))
+    return RingPlan(stretches[rank], partners[rank], hops, tuple(calls))
+
+
+def ring_plans(seq_lens: tuple[int, ...], cp: int, balance: bool = True) -> tuple[RingPlan, ...]:
+    """Every rank's :class:`RingPlan`."""
+    return tuple(ring_plan(tuple(seq_lens), cp, rank, balance) for rank in range(cp))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -323,14 +376,18 @@ class _RingAttention(torch.autograd.Function):
         queries, k, v, out, lse = ctx.saved_tensors
         plan, topology, kernels, bounds = ctx.plan, ctx.topology, ctx.kernels, ctx.bounds
         cp, rank = topology.size, topology.rank
+        ahead, behind = (rank + 1) % cp, (rank - 1) % cp
         dout = _swap_second_half(grad, plan.partner, topology).contiguous()
         compute = torch.promote_types(queries.dtype, torch.float32)
         dq = torch.zeros_like(queries, dtype=compute)
         block = [k.contiguous(), v.contiguous()]
-        # The gradients travel in the keys' dtype, rounded at each hop as a ring reduce-scatter's would be.
-        dblock = [torch.zeros_like(block[0]), torch.zeros_like(block[1])]
+        # Each block's gradients travel with it in the keys' dtype: a rank adds its share, summed over its calls in
+        # fp32, to what the previous ranks sent, rounding once per hop as a ring reduce-scatter does. The sum goes
+        # out while the next block's share is computed.
+        incoming_grads = None
         for step, calls in enumerate(plan.calls):
-            pending = _shift(block, (rank + 1) % cp, (rank - 1) % cp, topology) if step < plan.hops else None
+            pending = _shift(block, ahead, behind, topology) if step < plan.hops else None
+            share = [torch.zeros_like(t, dtype=compute) for t in block]
             for call, (cu_q, cu_k) in zip(calls, bounds[step], strict=True):
                 (r0, r1), (k0, k1) = call.rows, call.keys
                 dq_c, dk_c, dv_c = kernels.backward(
@@ -339,10 +396,14 @@ class _RingAttention(torch.autograd.Function):
                     call.causal, ctx.scale,
                 )  # fmt: skip
                 dq[r0:r1] += dq_c
-                for acc, contribution in zip(dblock, (dk_c, dv_c), strict=True):
-                    acc[k0:k1] = acc[k0:k1].to(compute) + contribution.to(compute)
+                share[0][k0:k1] += dk_c
+                share[1][k0:k1] += dv_c
+            if incoming_grads is not None:
+                for mine, theirs in zip(share, _wait(incoming_grads), strict=True):
+                    mine += theirs
+            dblock = [g.to(t.dtype) for g, t in zip(share, block, strict=True)]
             if pending is not None:
-                dblock = _wait(_shift(dblock, (rank + 1) % cp, (rank - 1) % cp, topology))
+                incoming_grads = _shift(dblock, ahead, behind, topology)
                 block = _wait(pending)
         if plan.hops:  # this rank holds block (rank - hops)'s gradients: back to their owner
             dblock = _wait(_shift(dblock, (rank - plan.hops) % cp, (rank + plan.hops) % cp, topology))
@@ -366,17 +427,21 @@ def kv_ring_attention(
 
     q [S/cp, Hq, D], k and v [S/cp, Hkv, D] (this rank's tokens); returns [S/cp, Hq, Dv], the rows an unsharded
     run computes for these tokens. ``balance``: rank pairs swap half their queries where that evens the causal
-    work. With a ``sliding_window`` this is :func:`~cp_core.kv_gather.kv_gather_attention` (the window bounds the
-    keys a rank holds). Without CP it is plain varlen attention over ``metadata``'s documents.
+    work without lengthening the ring (:func:`ring_layout`). Under CP a ``sliding_window`` raises (use Ulysses or
+    all-gathered KV). Without CP it is plain varlen attention over ``metadata``'s documents.
     """
     check_attention_shard(q, k, v, metadata, topology)
-    if sliding_window is not None:
-        return kv_gather_attention(
-            q, k, v, metadata, topology, scale=scale, sliding_window=sliding_window, backend=backend, balance=balance
-        )  # fmt: skip
     if not topology.enabled:
-        return varlen_causal_attention(q, k, v, metadata.cu_seqlens, metadata.max_seqlen, scale=scale, backend=backend)
+        return varlen_causal_attention(
+            q, k, v, metadata.cu_seqlens, metadata.max_seqlen, scale=scale, sliding_window=sliding_window,
+            backend=backend,
+        )  # fmt: skip
+    if sliding_window is not None:
+        raise ContextParallelError(
+            f"ring attention takes no sliding window (got sliding_window={sliding_window}): use attention CP style "
+            "'ulysses' or 'kv_gather' for windowed attention"
+        )
     kernels = resolve_ring_kernels(backend, q, v)
-    plan = ring_plans(metadata.seq_lens, topology.size, balance)[topology.rank]
+    plan = ring_plan(metadata.seq_lens, topology.size, topology.rank, balance)
     scale = q.size(-1) ** -0.5 if scale is None else scale
     return _RingAttention.apply(q, k, v, plan, topology, scale, kernels)

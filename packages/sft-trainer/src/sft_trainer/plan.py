@@ -93,8 +93,9 @@ ACTIVATION_COEFFICIENTS: dict[str, dict[str, dict[str, float]]] = {
     # 4.8 GiB above the 6.7 GiB of 128k / cp 4, for 2 and 4 GiB of row: 1.3 units; 512k / cp 16 (1 GiB) did not rise.
     # Ring-passed KV (cp_core.kv_ring; attn_kv_row 0): attn_gathered is the kernel's q (the swapped queries) and the
     # rank's own rotated k, v, (Hq + 2 Hkv) D, saved 1 with the fp32 log-sum-exp (q_heads_f32, as every path);
-    # transient attn_kv_blocks 1: the block in use, the one arriving, and their two gradient buffers (8 Hkv D).
-    # Modelled from the code, not yet measured on the GPU.
+    # transient attn_kv_blocks 1, at most 16 Hkv D in the activation dtype: in backward the block in use and the one
+    # arriving (2 x 2), the rank's fp32 share of the block's k / v gradients (4), the gradients received, the ones
+    # still going out and the new ones (3 x 2). Modelled from the code, not yet measured on the GPU.
     "qwen3_5.attention": {
         "saved": {
             "hidden": 1,
@@ -629,7 +630,7 @@ def layer_widths(
             # attn_kv_blocks.
             attn_gathered=kernel_inputs,
             attn_kv_row=2 * hkv * cp * d if gathered else 0,
-            attn_kv_blocks=8 * hkv * d if ring else 0,
+            attn_kv_blocks=16 * hkv * d if ring else 0,
             attn_q_cp=hq * d if cp > 1 and not (gathered or ring) else 0,
             q_heads=hq,
             kv_heads=hkv,
