@@ -32,6 +32,7 @@ from cp_core.kv_ring import (
 from cp_core.packing import PackedRowMetadata, cu_seqlens_from_lens
 from cp_core.testing import (
     GlooWorkers,
+    attention_parity_failures,
     check_cp_parity,
     fake_process_group,
     layout_cases,
@@ -386,22 +387,9 @@ def test_kv_ring_parity_over_layout_cases(workers, config_name):
         layouts[f"random{trial}"] = random_seq_lens(TOTAL, rng)
     hops = {ring_plans(tuple(lens), cp, config.get("balance", True))[0].hops for lens in layouts.values()}
     assert cp - 1 in hops and min(hops) < cp - 1, hops  # full rings and shorter ones
-    failures = []
-    for index, (layout, seq_lens) in enumerate(layouts.items()):
-        seed = 100 * index + q_heads + kv_heads
-        inputs = {
-            "q": randn(TOTAL, q_heads, HEAD_DIM, seed=seed),
-            "k": randn(TOTAL, kv_heads, HEAD_DIM, seed=seed + 1),
-            "v": randn(TOTAL, kv_heads, config.get("v_dim", HEAD_DIM), seed=seed + 2),
-        }
-        report = check_cp_parity(
-            workers, case, seq_lens=seq_lens, inputs=inputs, seq_dims={"q": 0, "k": 0, "v": 0}, seed=seed
-        )
-        assert set(report.relative) == {"out", "grad.q", "grad.k", "grad.v"}, report.relative
-        try:
-            report.assert_close(rtol=1e-5)
-        except AssertionError as exc:
-            failures.append(f"{layout} {seq_lens}: {exc}")
+    failures = attention_parity_failures(
+        workers, case, layouts, q_heads=q_heads, kv_heads=kv_heads, head_dim=HEAD_DIM, v_dim=config.get("v_dim")
+    )
     assert not failures, f"cp={cp} {config_name}:\n" + "\n".join(failures)
 
 

@@ -415,6 +415,41 @@ def check_cp_parity(
     return report
 
 
+def attention_parity_failures(
+    workers: GlooWorkers,
+    case: ParityCase,
+    layouts: Mapping[str, Sequence[int]],
+    *,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    v_dim: int | None = None,
+    rtol: float = 1e-5,
+) -> list[str]:
+    """``case`` (attention over ``q`` [S, Hq, D], ``k`` [S, Hkv, D], ``v`` [S, Hkv, Dv]) sharded over ``workers``
+    against the unsharded run, row by row of ``layouts``, on fp32 inputs seeded by the layout's index and the head
+    counts; one line per layout whose output or any input gradient differs by more than ``rtol`` (or is missing)."""
+    failures = []
+    for index, (layout, seq_lens) in enumerate(layouts.items()):
+        seed, total = 100 * index + q_heads + kv_heads, sum(seq_lens)
+        shapes = {"q": (q_heads, head_dim), "k": (kv_heads, head_dim), "v": (kv_heads, v_dim or head_dim)}
+        inputs = {
+            name: torch.randn((total, *shape), generator=torch.Generator().manual_seed(seed + offset))
+            for offset, (name, shape) in enumerate(shapes.items())
+        }
+        report = check_cp_parity(
+            workers, case, seq_lens=seq_lens, inputs=inputs, seq_dims={"q": 0, "k": 0, "v": 0}, seed=seed
+        )
+        if set(report.relative) != {"out", "grad.q", "grad.k", "grad.v"}:
+            failures.append(f"{layout} {list(seq_lens)}: compared only {sorted(report.relative)}")
+            continue
+        try:
+            report.assert_close(rtol=rtol)
+        except AssertionError as exc:
+            failures.append(f"{layout} {list(seq_lens)}: {exc}")
+    return failures
+
+
 # --------------------------------------------------------------------------------------------------------
 # True fp64 runs
 

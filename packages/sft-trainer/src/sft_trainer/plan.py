@@ -314,10 +314,16 @@ def kv_gather_attention_bytes(
     """
     if cp == 1:
         return 0
+    block, swap = _kv_block_and_swap_bytes(seq_len, cp, q_heads, kv_heads, head_dim, elem, balance, v_head_dim)
+    total = 2 * (cp - 1) * block + swap
+    return total + (total // 2 if recompute else 0)
+
+
+def _kv_block_and_swap_bytes(seq_len, cp, q_heads, kv_heads, head_dim, elem, balance, v_head_dim) -> tuple[int, int]:
+    """A rank's k|v bytes, and what balancing's query swap sends forward + backward (the busiest rank)."""
     local, dv = seq_len // cp, head_dim if v_head_dim is None else v_head_dim
     swap = 2 * (local - local // 2) * q_heads * (head_dim + dv) * elem if balance and local > 1 else 0
-    total = 2 * (cp - 1) * local * kv_heads * (head_dim + dv) * elem + swap
-    return total + (total // 2 if recompute else 0)
+    return local * kv_heads * (head_dim + dv) * elem, swap
 
 
 def kv_ring_attention_bytes(
@@ -342,9 +348,7 @@ def kv_ring_attention_bytes(
     """
     if cp == 1:
         return 0
-    local, dv = seq_len // cp, head_dim if v_head_dim is None else v_head_dim
-    block = local * kv_heads * (head_dim + dv) * elem
-    swap = 2 * (local - local // 2) * q_heads * (head_dim + dv) * elem if balance and local > 1 else 0
+    block, swap = _kv_block_and_swap_bytes(seq_len, cp, q_heads, kv_heads, head_dim, elem, balance, v_head_dim)
     forward = (cp - 1) * block + swap // 2
     backward = 2 * (cp - 1) * block + block + swap // 2
     return forward + backward + (forward if recompute else 0)
