@@ -17,16 +17,17 @@ from cp_core import (
     context_parallel_attention,
     kv_gather_attention,
     resolve_attention_cp_style,
-    ulysses_attention,
     varlen_causal_attention,
 )
 from cp_core.attention import torch_varlen_attention
 from cp_core.kv_gather import balanced_stretches, key_range, query_stretch
-from cp_core.packing import PackedRowMetadata, cu_seqlens_from_lens
+from cp_core.packing import cu_seqlens_from_lens
 from cp_core.testing import (
     GlooWorkers,
     attention_parity_failures,
+    attention_style_difference,
     check_cp_parity,
+    kv_attention_case,
     layout_cases,
     one_torch_thread,
     random_seq_lens,
@@ -285,35 +286,6 @@ def test_gather_kv_backward_holds_one_row_sized_gradient(rank):
 # Worker-side helpers (module level: the workers import them by name)
 
 
-def _kv_gather_case(
-    module: None,
-    metadata: PackedRowMetadata,
-    topology: CPTopology,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float | None = None,
-    sliding_window: int | None = None,
-    balance: bool = True,
-    strided: bool = False,
-) -> torch.Tensor:
-    if strided:  # the same values, dense but not contiguous (the swap's receive buffer must still be contiguous)
-        q = q.transpose(1, 2).contiguous().transpose(1, 2)
-        assert not q.is_contiguous()
-    return kv_gather_attention(
-        q, k, v, metadata, topology, scale=scale, sliding_window=sliding_window, backend="torch", balance=balance
-    )  # fmt: skip
-
-
-def _both_strategies(topology: CPTopology, seq_lens, q_full, k_full, v_full) -> float:
-    """Largest difference between the two strategies' outputs on this rank (heads both can split)."""
-    meta = build_packed_metadata(seq_lens, topology.rank, topology.size)
-    q, k, v = (t[meta.shard_start : meta.shard_end] for t in (q_full, k_full, v_full))
-    gathered = kv_gather_attention(q, k, v, meta, topology, backend="torch")
-    exchanged = ulysses_attention(q, k, v, meta, topology, backend="torch")
-    return (gathered - exchanged).abs().max().item()
-
-
 # --------------------------------------------------------------------------------------------------------
 # Multi-process
 
@@ -352,7 +324,7 @@ def test_kv_gather_parity_over_layout_cases(workers, config_name):
     window = config.get("sliding_window")
     balance = config.get("balance", True)
     case = functools.partial(
-        _kv_gather_case, scale=config.get("scale"), sliding_window=window, balance=balance,
+        kv_attention_case, scale=config.get("scale"), sliding_window=window, balance=balance,
         strided=config.get("strided", False),
     )  # fmt: skip
     layouts = dict(layout_cases(TOTAL, cp))
@@ -378,7 +350,7 @@ def test_kv_gather_agrees_with_ulysses(workers):
     for index, seq_lens in enumerate(layout_cases(TOTAL, cp).values()):
         q, k, v = randn(TOTAL, 8, HEAD_DIM, seed=index), randn(TOTAL, 2, HEAD_DIM, seed=index + 1), None
         v = randn(TOTAL, 2, HEAD_DIM, seed=index + 2)
-        for difference in workers.run(_both_strategies, seq_lens, q, k, v):
+        for difference in workers.run(attention_style_difference, seq_lens, q, k, v, ("kv_gather", "ulysses")):
             assert difference < 1e-5, (seq_lens, difference)
 
 
@@ -402,7 +374,7 @@ def test_kv_gather_parity_odd_cp_and_odd_shards(workers):
                     "k": randn(total, 1, HEAD_DIM, seed=seed + 1),
                     "v": randn(total, 1, HEAD_DIM, seed=seed + 2),
                 }
-                case = functools.partial(_kv_gather_case, sliding_window=window)
+                case = functools.partial(kv_attention_case, sliding_window=window)
                 report = check_cp_parity(
                     workers, case, seq_lens=seq_lens, inputs=inputs, seq_dims={"q": 0, "k": 0, "v": 0}, seed=seed
                 )

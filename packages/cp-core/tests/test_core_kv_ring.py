@@ -29,12 +29,14 @@ from cp_core.kv_ring import (
     resolve_ring_kernels,
     ring_plans,
 )
-from cp_core.packing import PackedRowMetadata, cu_seqlens_from_lens
+from cp_core.packing import cu_seqlens_from_lens
 from cp_core.testing import (
     GlooWorkers,
     attention_parity_failures,
+    attention_style_difference,
     check_cp_parity,
     fake_process_group,
+    kv_attention_case,
     layout_cases,
     one_torch_thread,
     random_seq_lens,
@@ -323,31 +325,7 @@ def test_ring_keeps_rank_sized_tensors_where_gather_keeps_the_row():
 # Multi-process
 
 
-def _ring_case(
-    module: None,
-    metadata: PackedRowMetadata,
-    topology: CPTopology,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float | None = None,
-    sliding_window: int | None = None,
-    balance: bool = True,
-    strided: bool = False,
-) -> torch.Tensor:
-    if strided:
-        q = q.transpose(1, 2).contiguous().transpose(1, 2)
-    return kv_ring_attention(
-        q, k, v, metadata, topology, scale=scale, sliding_window=sliding_window, backend="torch", balance=balance
-    )  # fmt: skip
-
-
-def _ring_minus_gather(topology: CPTopology, seq_lens, q_full, k_full, v_full) -> float:
-    meta = build_packed_metadata(seq_lens, topology.rank, topology.size)
-    q, k, v = (t[meta.shard_start : meta.shard_end] for t in (q_full, k_full, v_full))
-    ring = kv_ring_attention(q, k, v, meta, topology, backend="torch")
-    gathered = kv_gather_attention(q, k, v, meta, topology, backend="torch")
-    return (ring - gathered).abs().max().item()
+_ring_case = functools.partial(kv_attention_case, ring=True)
 
 
 @pytest.fixture(scope="module")
@@ -408,7 +386,8 @@ def test_kv_ring_float64_is_exact_and_agrees_with_gather(workers):
             workers, _ring_case, seq_lens=seq_lens, inputs=inputs, seq_dims={"q": 0, "k": 0, "v": 0}, seed=index
         )
         report.assert_close(rtol=1e-12)
-        for difference in workers.run(_ring_minus_gather, seq_lens, *(inputs[n].float() for n in "qkv")):
+        qkv = (inputs[n].float() for n in "qkv")
+        for difference in workers.run(attention_style_difference, seq_lens, *qkv, ("kv_ring", "kv_gather")):
             assert difference < 1e-5, (seq_lens, difference)
 
 
