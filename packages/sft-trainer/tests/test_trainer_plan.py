@@ -732,6 +732,18 @@ def test_cli_prints_the_table(capsys):
     out = run_plan(capsys, "--config", "tiny_cpu", "--parallel.attention_cp", "auto")
     assert "attention_cp=auto (ulysses)" in out
     assert re.search(r"\n\s+8\s+\d+\s+\d+\n", out) and "not valid" not in out
+    # The ring: its strategy, bytes and share in the table, every cp valid.
+    out = run_plan(capsys, "--config", "tiny_cpu", "--parallel.attention_cp", "kv_ring")
+    config = tiny_qwen35_config(vocab_size=plan._tokenizer_vocab(str(load_config("tiny_cpu").tokenizer_path)))
+    ring = plan.kv_ring_attention_bytes(
+        256, 2, config.num_attention_heads, config.num_key_value_heads, config.head_dim, 4
+    )
+    assert "attention_cp=kv_ring (kv_ring)" in out and "not valid" not in out
+    row = re.search(
+        r"full_attention \(gated softmax attention\)\s+1\s+ring of K\|V blocks, query halves swapped\s+(\S+ \S+)", out
+    )
+    assert row and row.group(1) == plan._size(ring)
+    assert re.search(r"all-gather 0\.0%, ring \d+\.\d%", out)
 
 
 def test_cli_json_parses_and_agrees_with_the_closed_forms(capsys):

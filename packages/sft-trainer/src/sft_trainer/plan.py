@@ -1072,7 +1072,7 @@ def _layer_rows(
                 strategy, comm = "all-gather K|V of the row, half the queries swapped per rank pair", "all_gather"
             elif attention == "kv_ring":
                 per_layer = kv_ring_attention_bytes(seq_len, cp, q, kv, d, elem, recompute=recompute)
-                strategy, comm = "K|V blocks around the ring, half the queries swapped per rank pair", "ring"
+                strategy, comm = "ring of K|V blocks, query halves swapped", "ring"
             else:
                 per_layer = ulysses_attention_bytes(seq_len, cp, q, kv, d, elem, recompute=recompute)
                 strategy, comm = f"Ulysses all-to-all, KV heads x{max(1, cp // kv)}", "all_to_all"
