@@ -63,6 +63,12 @@ def test_dp2_cp2_fsdp_equals_cp1_with_accumulation(cp1_run, tmp_path):
     _assert_same_run(cp1_run, (tmp_path, _train(tmp_path, *overrides)))
 
 
+def test_cp2_ring_attention_equals_cp1(cp1_run, tmp_path):
+    """cp = 2 with the attention's keys and values passed around the ring (parallel.attention_cp = "kv_ring"),
+    FSDP2 over both ranks: the unsharded single process's numbers."""
+    _assert_same_run(cp1_run, (tmp_path, _train(tmp_path, "--parallel.cp", "2", "--parallel.attention_cp", "kv_ring")))
+
+
 def test_resume_reproduces_losses(tmp_path):
     full = tmp_path / "full"
     metrics = _train(full, "--parallel.cp", "2", "--checkpoint.every", "1")
