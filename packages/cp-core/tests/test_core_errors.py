@@ -13,6 +13,7 @@ from cp_core import (
     ContextParallelError,
     CPTopology,
     build_packed_metadata,
+    check_same_row_on_every_rank,
     gather_sequence,
     shard_position_ids,
     shard_sequence,
@@ -81,6 +82,11 @@ def _last_rank_all_reduces_after_slow_rank0(topology: CPTopology, delay_s: float
     if topology.rank == topology.size - 1:
         dist.all_reduce(torch.ones(1), group=topology.group)  # alone: never completes
     return topology.rank
+
+
+def _check_rows(topology: CPTopology, differing_ranks: tuple[int, ...]) -> None:
+    seq_lens = [8, 8] if topology.rank in differing_ranks else [16]
+    check_same_row_on_every_rank(seq_lens, topology)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -188,3 +194,17 @@ def test_timeout_bounds_the_whole_call(workers4):
     elapsed = time.monotonic() - started
     # A per-rank wait would take delay + timeout = 9 s; the call must end about timeout_s after it started.
     assert HANG_TIMEOUT_S - 0.5 <= elapsed < HANG_TIMEOUT_S + 2.5, f"TimeoutError after {elapsed:.1f} s"
+
+
+def test_ranks_given_different_rows_all_raise(workers4):
+    """A rank given another row (seq_lens) than the others: every rank raises the same error naming the odd ranks,
+    and the group stays in step; the same row passes."""
+    workers4.run(_all_reduce_ranks, timeout_s=120)
+    assert workers4.run(_check_rows, (), timeout_s=60) == [None] * 4
+    for differing in ((2,), (0,), (1, 3)):
+        results = workers4.run_collect(_check_rows, differing, timeout_s=60)
+        assert all(isinstance(r, RankFailure) and r.type_name == "ContextParallelError" for r in results), results
+        odd = sorted({1, 2, 3} - set(differing)) if 0 in differing else list(differing)
+        assert {r.message for r in results} == {results[0].message}
+        assert f"rank(s) {odd} got other document lengths than rank 0" in results[0].message
+        assert workers4.run(_all_reduce_ranks, timeout_s=60) == [6] * 4

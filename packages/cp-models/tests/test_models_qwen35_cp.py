@@ -433,7 +433,12 @@ def _set_cp_on_transformers_model(topology: CPTopology) -> str:
     return "ok"
 
 
-def _forward_with_seq_lens(topology: CPTopology, local_len: int, seq_lens: list[int]) -> tuple[int, ...]:
+def _forward_with_seq_lens(
+    topology: CPTopology, local_len: int, seq_lens: list[int] | dict[int, list[int]]
+) -> tuple[int, ...]:
+    """A forward of this rank's ``local_len`` tokens with ``seq_lens`` (a dict: per rank, [3, rest] for the others)."""
+    if isinstance(seq_lens, dict):
+        seq_lens = seq_lens.get(topology.rank, [3, topology.size * local_len - 3])
     torch.manual_seed(0)
     model = build_model("dense")
     set_context_parallel_attributes(model, topology.group, topology.rank, topology.size)
@@ -503,6 +508,11 @@ def test_bad_row_lengths_are_rejected(workers):
         local,
         [3, 2 * cp * local - 3],
         must_name=[f"seq_lens sum to {2 * cp * local}", f"holds {local}"],
+    )
+    # Every rank's row is valid, but the last rank was given another one: every rank raises, before any exchange
+    # could leave one waiting.
+    assert_every_rank_raises(
+        workers, _forward_with_seq_lens, local, {cp - 1: [cp * local]}, must_name=[f"rank(s) [{cp - 1}] got other"]
     )
     # The control: the matching seq_lens run.
     assert workers.run(_forward_with_seq_lens, local, [3, cp * local - 3], timeout_s=120) == [(local,)] * cp

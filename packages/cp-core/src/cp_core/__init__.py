@@ -45,6 +45,7 @@ from cp_core.packing import (
     position_ids_from_seq_lens,
 )
 from cp_core.sharding import (
+    check_same_row_on_every_rank,
     gather_sequence,
     gather_variable,
     shard_mrope_positions,
@@ -78,6 +79,7 @@ __all__ = [
     "causal_conv1d_cp",
     "check_divisible",
     "check_head_parallel",
+    "check_same_row_on_every_rank",
     "check_ulysses_heads",
     "chunk_gated_delta_rule_torch",
     "chunk_ssd_torch",

@@ -6,6 +6,7 @@ collective so that bad input raises the same error on every rank instead of hang
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -52,6 +53,30 @@ def shard_mrope_positions(position_ids: torch.Tensor, topology: CPTopology) -> t
         )
     check_batch_one(position_ids, topology, 1, "MRoPE position ids")
     return shard_sequence(position_ids, topology, dim=2)
+
+
+def check_same_row_on_every_rank(
+    seq_lens: Sequence[int], topology: CPTopology, device: torch.device | str = "cpu"
+) -> None:
+    """Raise the same error on every rank unless every rank of ``topology`` was given the same packed row (its
+    global document lengths). Ranks given different rows would exchange mismatched halos, states and key blocks:
+    wrong numbers, or a rank waiting in an exchange its peer never enters. Costs one all-reduce of two int64 on
+    ``device`` (CUDA under NCCL) and a host sync, once per row (a ``fake`` group's no-op all-reduce passes)."""
+    if not topology.enabled:
+        return
+    fingerprint = hash(tuple(int(n) for n in seq_lens)) % 2**62  # tuples of ints hash alike in every process
+    both = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=topology.group)
+    highest, lowest = both.tolist()
+    if highest != -lowest:  # the same on every rank, so every rank comes here and names the odd ones
+        mine = torch.tensor([fingerprint], dtype=torch.int64, device=device)
+        fingerprints = all_gather_rows(mine, topology).tolist()
+        differ = [rank for rank, other in enumerate(fingerprints) if other != fingerprints[0]]
+        raise ContextParallelError(
+            f"the ranks of the CP group hold different packed rows: rank(s) {differ} got other document lengths "
+            "than rank 0; every CP rank must get the same row's global document lengths (seq_lens) and its own "
+            "shard of that row"
+        )
 
 
 def all_gather_rows(x: torch.Tensor, topology: CPTopology) -> torch.Tensor:

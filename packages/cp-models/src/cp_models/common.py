@@ -22,6 +22,7 @@ from cp_core import (
     PackedRowMetadata,
     RecurrentBackend,
     build_packed_metadata,
+    check_same_row_on_every_rank,
     context_parallel_attention,
     resolve_attention_cp_style,
     resolve_recurrent_backend,
@@ -115,9 +116,11 @@ def set_context_parallel_attributes(
 
 
 def build_row_metadata(
-    seq_lens: Sequence[int] | torch.Tensor, local_len: int, topology: CPTopology
+    seq_lens: Sequence[int] | torch.Tensor, local_len: int, topology: CPTopology, device: torch.device | str = "cpu"
 ) -> PackedRowMetadata:
-    """Metadata of one packed row whose local shard has ``local_len`` tokens; validates before any collective."""
+    """Metadata of one packed row whose local shard has ``local_len`` tokens, on ``device``. Validates before any
+    other collective, and checks that every CP rank got the same row (:func:`cp_core.check_same_row_on_every_rank`:
+    one tiny all-reduce on ``device``)."""
     total = local_len * topology.size
     meta = build_packed_metadata(seq_lens, topology.rank, topology.size, total_len=None)
     if meta.total_len != total:
@@ -126,7 +129,8 @@ def build_row_metadata(
             f"seq_lens sum to {meta.total_len} tokens but this rank holds {local_len} of a row split over "
             f"cp={topology.size} ({total} tokens): pass the global document lengths and this rank's shard"
         )
-    return meta
+    check_same_row_on_every_rank(meta.seq_lens, topology, device)
+    return meta.to(device)
 
 
 class ZeroCenteredRMSNorm(nn.Module):

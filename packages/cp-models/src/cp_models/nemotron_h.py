@@ -548,7 +548,7 @@ class NemotronHForCausalLM(nn.Module):
         """Same contract as :class:`cp_models.Qwen35ForCausalLM`. Nemotron-H has no positional encoding (its
         attention has no rotary; order comes from the Mamba layers), so ``position_ids`` are only shape-checked."""
         embeds = embed_row(self.model.embeddings, input_ids, inputs_embeds)
-        meta = build_row_metadata(seq_lens, embeds.size(0), self.cp_topology).to(embeds.device)
+        meta = build_row_metadata(seq_lens, embeds.size(0), self.cp_topology, embeds.device)
         check_position_ids(position_ids, embeds.size(0))
         hidden = self.model(embeds, meta)
         return causal_lm_output(hidden, self.lm_head, labels, return_logits, loss_chunk_size)

@@ -397,7 +397,7 @@ class Qwen35ForCausalLM(nn.Module):
         loss_chunk_size: int | None = None,
     ) -> CausalLMOutput:
         embeds = embed_row(self.model.embed_tokens, input_ids, inputs_embeds)
-        meta = build_row_metadata(seq_lens, embeds.size(0), self.cp_topology).to(embeds.device)
+        meta = build_row_metadata(seq_lens, embeds.size(0), self.cp_topology, embeds.device)
         check_position_ids(position_ids, embeds.size(0))
         if position_ids is None:
             position_ids = meta.local_position_ids

@@ -41,6 +41,7 @@ from cp_core import (
     RecurrentBackend,
     build_packed_metadata,
     check_divisible,
+    check_same_row_on_every_rank,
     gather_variable,
 )
 from cp_models.common import (
@@ -265,7 +266,9 @@ class Qwen35VLForConditionalGeneration(nn.Module):
                 )
         start, end = topology.shard_range(input_ids.numel())
         device = self.lm_head.weight.device
-        meta = build_packed_metadata(seq_lens, topology.rank, topology.size).to(device)
+        meta = build_packed_metadata(seq_lens, topology.rank, topology.size)
+        check_same_row_on_every_rank(meta.seq_lens, topology, device)  # before the vision merge's collectives
+        meta = meta.to(device)
 
         local_ids = input_ids[start:end].to(device)
         embeds = self.model.language_model.embed_tokens(local_ids)
