@@ -218,6 +218,17 @@ def test_ring_makes_only_the_hops_some_rank_needs():
     assert plan.partner == 3 and [(s.start, s.end) for s in plan.stretches] == [(0, 4), (28, 32)]
 
 
+def test_last_step_is_the_latest_arrival_of_a_block_range():
+    from cp_core.kv_ring import _last_step
+
+    for cp in range(1, 9):
+        for rank in range(cp):
+            for first in range(cp):
+                for last in range(first, cp):
+                    want = max((rank - block) % cp for block in range(first, last + 1))
+                    assert _last_step(rank, cp, first, last) == want, (cp, rank, first, last)
+
+
 def test_block_calls_of_a_stretch_against_blocks():
     meta = build_packed_metadata([5, 22, 5], 0, 4)  # documents [0, 5), [5, 27), [27, 32); shards of 8
     stretch = query_stretch(meta, 20, 24)  # inside block 2, its document began at 5
