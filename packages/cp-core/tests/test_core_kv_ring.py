@@ -420,6 +420,33 @@ def test_kv_ring_bfloat16_within_rounding(workers):
         report.assert_close(rtol=2e-2)
 
 
+@pytest.mark.parametrize("workers", (8,), indirect=True, ids=lambda cp: f"cp{cp}")
+def test_kv_ring_parity_cp8_float64(workers):
+    """cp 8 (up to 7 hops, four swapping pairs, a ring shortened by the swap rule), fp64 to 1e-12: one document over
+    the row, documents straddling cuts, and random cuts with odd-sized shards."""
+    cp, local = workers.world_size, 5
+    total = cp * local
+    rng = random.Random(8)
+    layouts = {
+        "one_document": [total],
+        "straddling": [3, *[local] * (cp - 1), local - 3],
+        "random": random_seq_lens(total, rng),
+        "tiny_and_long": [1, 2, total - 3],
+    }
+    hops = {ring_plans(tuple(lens), cp)[0].hops for lens in layouts.values()}
+    assert cp - 1 in hops and 1 in hops, hops
+    for index, seq_lens in enumerate(layouts.values()):
+        inputs = {
+            "q": randn(total, 4, HEAD_DIM, seed=index, dtype=torch.float64),
+            "k": randn(total, 2, HEAD_DIM, seed=index + 1, dtype=torch.float64),
+            "v": randn(total, 2, HEAD_DIM, seed=index + 2, dtype=torch.float64),
+        }
+        report = check_cp_parity(
+            workers, _ring_case, seq_lens=seq_lens, inputs=inputs, seq_dims={"q": 0, "k": 0, "v": 0}, seed=index
+        )
+        report.assert_close(rtol=1e-12)
+
+
 @pytest.mark.parametrize("workers", (3,), indirect=True, ids=lambda cp: f"cp{cp}")
 def test_kv_ring_parity_odd_cp_and_odd_shards(workers):
     """cp 3 (the middle rank keeps its queries; ranks 0 and 2 swap halves of 3 and 4 tokens) and 1 token a rank."""
