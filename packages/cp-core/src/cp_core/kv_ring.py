@@ -362,7 +362,7 @@ class _RingAttention(torch.autograd.Function):
                 merged = torch.logaddexp(lse[:, r0:r1], lse_c)
                 keep = (lse[:, r0:r1] - merged).exp().transpose(0, 1).unsqueeze(-1)
                 add = (lse_c - merged).exp().transpose(0, 1).unsqueeze(-1)
-                out[r0:r1] = out[r0:r1] * keep + out_c.to(compute) * add
+                out[r0:r1].mul_(keep).addcmul_(out_c, add)  # in place: no stretch-sized fp32 temporaries
                 lse[:, r0:r1] = merged
             if pending is not None:
                 block = _wait(pending)
