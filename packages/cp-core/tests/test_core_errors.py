@@ -84,9 +84,14 @@ def _last_rank_all_reduces_after_slow_rank0(topology: CPTopology, delay_s: float
     return topology.rank
 
 
-def _check_rows(topology: CPTopology, differing_ranks: tuple[int, ...]) -> None:
-    seq_lens = [8, 8] if topology.rank in differing_ranks else [16]
-    check_same_row_on_every_rank(seq_lens, topology)
+def _check_rows(topology: CPTopology, differing_ranks: tuple[int, ...], how: str = "lengths") -> None:
+    odd = topology.rank in differing_ranks
+    if how == "lengths":
+        check_same_row_on_every_rank([8, 8] if odd else [16], topology)
+    elif how == "invalid":  # not even a valid row: compared raw, before anything could raise on that rank alone
+        check_same_row_on_every_rank(["eight"] if odd else [16], topology)
+    else:  # the same lengths, another shard size
+        check_same_row_on_every_rank([16], topology, extra=(5 if odd else 4,))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -201,10 +206,16 @@ def test_ranks_given_different_rows_all_raise(workers4):
     and the group stays in step; the same row passes."""
     workers4.run(_all_reduce_ranks, timeout_s=120)
     assert workers4.run(_check_rows, (), timeout_s=60) == [None] * 4
-    for differing in ((2,), (0,), (1, 3)):
-        results = workers4.run_collect(_check_rows, differing, timeout_s=60)
+    for differing, how in (
+        ((2,), "lengths"),
+        ((0,), "lengths"),
+        ((1, 3), "lengths"),
+        ((3,), "invalid"),
+        ((1,), "extra"),
+    ):
+        results = workers4.run_collect(_check_rows, differing, how, timeout_s=60)
         assert all(isinstance(r, RankFailure) and r.type_name == "ContextParallelError" for r in results), results
         odd = sorted({1, 2, 3} - set(differing)) if 0 in differing else list(differing)
         assert {r.message for r in results} == {results[0].message}
-        assert f"rank(s) {odd} got other document lengths than rank 0" in results[0].message
+        assert f"rank(s) {odd} got other document lengths or row sizes than rank 0" in results[0].message
         assert workers4.run(_all_reduce_ranks, timeout_s=60) == [6] * 4

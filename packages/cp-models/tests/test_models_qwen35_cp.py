@@ -510,9 +510,10 @@ def test_bad_row_lengths_are_rejected(workers):
         must_name=[f"seq_lens sum to {2 * cp * local}", f"holds {local}"],
     )
     # Every rank's row is valid, but the last rank was given another one: every rank raises, before any exchange
-    # could leave one waiting.
-    assert_every_rank_raises(
-        workers, _forward_with_seq_lens, local, {cp - 1: [cp * local]}, must_name=[f"rank(s) [{cp - 1}] got other"]
-    )
+    # could leave one waiting; also where the odd row would fail the last rank's own checks (its sum).
+    for odd in ([cp * local], [cp * local + 1]):
+        assert_every_rank_raises(
+            workers, _forward_with_seq_lens, local, {cp - 1: odd}, must_name=[f"rank(s) [{cp - 1}] got other"]
+        )
     # The control: the matching seq_lens run.
     assert workers.run(_forward_with_seq_lens, local, [3, cp * local - 3], timeout_s=120) == [(local,)] * cp

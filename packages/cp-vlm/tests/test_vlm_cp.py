@@ -221,3 +221,25 @@ def test_bad_row_raises_on_every_rank(workers, weights):
     for rank, result in enumerate(results):
         assert isinstance(result, RankFailure) and result.type_name == "ContextParallelError", rank
         assert f"packed row length 11 is not divisible by cp={cp}" in result.message
+
+
+def _other_image_on_last_rank(topology: CPTopology, state) -> None:
+    """The same token count and document lengths on every rank, but the last rank's image has another grid."""
+    model = Qwen35VLForConditionalGeneration(make_config(), vision_attention="eager")
+    model.load_state_dict(state)
+    set_context_parallel_attributes(model, dist.group.WORLD, topology.rank, topology.size)
+    row = pad_row(build_row([[3, (1, 4, 4), 2]], seed=0), topology.size)
+    grid = row["image_grid_thw"].clone()
+    if topology.rank == topology.size - 1:
+        grid[0, 1:] = torch.tensor([2, 8])  # as many patches, another shape
+    model(row["input_ids"], row["seq_lens"], pixel_values=row["pixel_values"], image_grid_thw=grid)
+
+
+def test_ranks_given_different_rows_raise_on_every_rank(workers, weights):
+    """A rank whose row differs from the others' (here only in its image grid) makes every rank raise the same
+    error before any collective, instead of leaving some in the vision merge's all-gather."""
+    cp = workers.world_size
+    results = workers.run_collect(_other_image_on_last_rank, weights[False], timeout_s=60)
+    for rank, result in enumerate(results):
+        assert isinstance(result, RankFailure) and result.type_name == "ContextParallelError", (rank, result)
+        assert f"rank(s) [{cp - 1}] got other document lengths or row sizes than rank 0" in result.message

@@ -55,16 +55,33 @@ def shard_mrope_positions(position_ids: torch.Tensor, topology: CPTopology) -> t
     return shard_sequence(position_ids, topology, dim=2)
 
 
+def _as_ints(values) -> tuple[int, ...]:
+    """``values`` (a sequence or tensor of numbers) as ints; one sentinel for anything else, the same on every rank
+    (the local checks that follow then raise it everywhere alike)."""
+    try:
+        if isinstance(values, torch.Tensor):
+            values = values.flatten().tolist()
+        return tuple(int(v) for v in values)
+    except (TypeError, ValueError, RuntimeError):
+        return (-1, -1)
+
+
 def check_same_row_on_every_rank(
-    seq_lens: Sequence[int], topology: CPTopology, device: torch.device | str = "cpu"
+    seq_lens: Sequence[int] | torch.Tensor,
+    topology: CPTopology,
+    device: torch.device | str = "cpu",
+    extra: Sequence[int] | torch.Tensor = (),
 ) -> None:
-    """Raise the same error on every rank unless every rank of ``topology`` was given the same packed row (its
-    global document lengths). Ranks given different rows would exchange mismatched halos, states and key blocks:
-    wrong numbers, or a rank waiting in an exchange its peer never enters. Costs one all-reduce of two int64 on
+    """Raise the same error on every rank unless every rank of ``topology`` was given the same packed row: its
+    global document lengths ``seq_lens`` and ``extra`` (other values all ranks must share, e.g. the tokens a rank
+    holds or a VL row's image grids). Ranks given different rows would exchange mismatched halos, states and key
+    blocks: wrong numbers, or a rank waiting in an exchange its peer never enters. Call it before any check that
+    could raise on one rank only: the inputs are compared raw, so once they agree, every local check fails alike.
+    Rows with the same lengths but other tokens are not told apart. Costs one all-reduce of two int64 on
     ``device`` (CUDA under NCCL) and a host sync, once per row (a ``fake`` group's no-op all-reduce passes)."""
     if not topology.enabled:
         return
-    fingerprint = hash(tuple(int(n) for n in seq_lens)) % 2**62  # tuples of ints hash alike in every process
+    fingerprint = hash((_as_ints(seq_lens), _as_ints(extra))) % 2**62  # tuples of ints hash alike in every process
     both = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=topology.group)
     highest, lowest = both.tolist()
@@ -74,8 +91,8 @@ def check_same_row_on_every_rank(
         differ = [rank for rank, other in enumerate(fingerprints) if other != fingerprints[0]]
         raise ContextParallelError(
             f"the ranks of the CP group hold different packed rows: rank(s) {differ} got other document lengths "
-            "than rank 0; every CP rank must get the same row's global document lengths (seq_lens) and its own "
-            "shard of that row"
+            "or row sizes than rank 0; every CP rank must get the same row's global document lengths (seq_lens) "
+            "and its own shard of that row"
         )
 
 

@@ -118,9 +118,10 @@ def set_context_parallel_attributes(
 def build_row_metadata(
     seq_lens: Sequence[int] | torch.Tensor, local_len: int, topology: CPTopology, device: torch.device | str = "cpu"
 ) -> PackedRowMetadata:
-    """Metadata of one packed row whose local shard has ``local_len`` tokens, on ``device``. Validates before any
-    other collective, and checks that every CP rank got the same row (:func:`cp_core.check_same_row_on_every_rank`:
-    one tiny all-reduce on ``device``)."""
+    """Metadata of one packed row whose local shard has ``local_len`` tokens, on ``device``. First checks that every
+    CP rank got the same row (:func:`cp_core.check_same_row_on_every_rank`: one tiny all-reduce on ``device``), so
+    that the validation after it raises on every rank alike; call it before anything else that can raise."""
+    check_same_row_on_every_rank(seq_lens, topology, device, extra=(local_len,))
     total = local_len * topology.size
     meta = build_packed_metadata(seq_lens, topology.rank, topology.size, total_len=None)
     if meta.total_len != total:
@@ -129,7 +130,6 @@ def build_row_metadata(
             f"seq_lens sum to {meta.total_len} tokens but this rank holds {local_len} of a row split over "
             f"cp={topology.size} ({total} tokens): pass the global document lengths and this rank's shard"
         )
-    check_same_row_on_every_rank(meta.seq_lens, topology, device)
     return meta.to(device)
 
 
@@ -544,6 +544,14 @@ class CausalLMOutput:
     """[T, vocab], only when asked for (``return_logits=True``)."""
     token_log_probs: torch.Tensor | None = None
     """log p(label) per token (fp32, 0 where label < 0), when labels are given."""
+
+
+def row_tokens(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> int:
+    """The tokens this rank holds, from ``input_ids`` ([T] or [1, T]) or ``inputs_embeds`` ([T, H] or [1, T, H]),
+    read before embedding (0 when neither is given: :func:`embed_row` then raises)."""
+    if input_ids is not None:
+        return input_ids.size(-1)
+    return 0 if inputs_embeds is None else inputs_embeds.size(-2)
 
 
 def embed_row(

@@ -55,6 +55,7 @@ from cp_models.common import (
     combine_expert_outputs,
     embed_row,
     read_safetensors,
+    row_tokens,
     squared_relu_linear,
     strip_prefixes,
     unwrapped_names,
@@ -547,8 +548,9 @@ class NemotronHForCausalLM(nn.Module):
     ) -> CausalLMOutput:
         """Same contract as :class:`cp_models.Qwen35ForCausalLM`. Nemotron-H has no positional encoding (its
         attention has no rotary; order comes from the Mamba layers), so ``position_ids`` are only shape-checked."""
+        tokens, device = row_tokens(input_ids, inputs_embeds), self.model.embeddings.weight.device
+        meta = build_row_metadata(seq_lens, tokens, self.cp_topology, device)  # first: it checks every rank's row
         embeds = embed_row(self.model.embeddings, input_ids, inputs_embeds)
-        meta = build_row_metadata(seq_lens, embeds.size(0), self.cp_topology, embeds.device)
         check_position_ids(position_ids, embeds.size(0))
         hidden = self.model(embeds, meta)
         return causal_lm_output(hidden, self.lm_head, labels, return_logits, loss_chunk_size)

@@ -42,6 +42,7 @@ from cp_models.common import (
     combine_expert_outputs,
     embed_row,
     read_safetensors,
+    row_tokens,
     strip_prefixes,
     swiglu_linear,
     unwrapped_names,
@@ -396,8 +397,9 @@ class Qwen35ForCausalLM(nn.Module):
         return_logits: bool | None = None,
         loss_chunk_size: int | None = None,
     ) -> CausalLMOutput:
+        tokens, device = row_tokens(input_ids, inputs_embeds), self.model.embed_tokens.weight.device
+        meta = build_row_metadata(seq_lens, tokens, self.cp_topology, device)  # first: it checks every rank's row
         embeds = embed_row(self.model.embed_tokens, input_ids, inputs_embeds)
-        meta = build_row_metadata(seq_lens, embeds.size(0), self.cp_topology, embeds.device)
         check_position_ids(position_ids, embeds.size(0))
         if position_ids is None:
             position_ids = meta.local_position_ids

@@ -248,6 +248,10 @@ class Qwen35VLForConditionalGeneration(nn.Module):
     ) -> CausalLMOutput:
         """This rank's outputs for the whole packed row ``input_ids`` (see the class docstring)."""
         topology = self.cp_topology
+        # First: every rank got the same row (lengths, tokens, image grids), so every check below fails alike.
+        grids = [] if image_grid_thw is None else image_grid_thw.flatten().tolist()
+        row = (input_ids.numel(), *grids)
+        check_same_row_on_every_rank(seq_lens, topology, self.lm_head.weight.device, extra=row)
         if input_ids.dim() == 2 and input_ids.size(0) == 1:
             input_ids = input_ids[0]
         seq_lens = [int(n) for n in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)]
@@ -266,9 +270,7 @@ class Qwen35VLForConditionalGeneration(nn.Module):
                 )
         start, end = topology.shard_range(input_ids.numel())
         device = self.lm_head.weight.device
-        meta = build_packed_metadata(seq_lens, topology.rank, topology.size)
-        check_same_row_on_every_rank(meta.seq_lens, topology, device)  # before the vision merge's collectives
-        meta = meta.to(device)
+        meta = build_packed_metadata(seq_lens, topology.rank, topology.size).to(device)
 
         local_ids = input_ids[start:end].to(device)
         embeds = self.model.language_model.embed_tokens(local_ids)
