@@ -382,21 +382,27 @@ def test_kv_ring_parity_over_layout_cases(workers, config_name):
     assert not failures, f"cp={cp} {config_name}:\n" + "\n".join(failures)
 
 
+def _assert_float64_parity(workers, seq_lens, seed: int) -> dict[str, torch.Tensor]:
+    """The ring against the unsharded run in fp64 (4 query, 2 KV heads), to 1e-12; returns the inputs."""
+    total = sum(seq_lens)
+    inputs = {
+        name: randn(total, heads, HEAD_DIM, seed=seed + offset, dtype=torch.float64)
+        for offset, (name, heads) in enumerate((("q", 4), ("k", 2), ("v", 2)))
+    }
+    report = check_cp_parity(
+        workers, _ring_case, seq_lens=seq_lens, inputs=inputs, seq_dims={"q": 0, "k": 0, "v": 0}, seed=seed
+    )
+    report.assert_close(rtol=1e-12)
+    return inputs
+
+
 @with_workers
 def test_kv_ring_float64_is_exact_and_agrees_with_gather(workers):
     """fp64 parity to 1e-12 (a plan or merge bug is not hidden in fp32 rounding), and the ring's output equals
     all-gather KV's on every rank."""
     cp = workers.world_size
     for index, seq_lens in enumerate(layout_cases(TOTAL, cp, seed=7).values()):
-        inputs = {
-            "q": randn(TOTAL, 4, HEAD_DIM, seed=index, dtype=torch.float64),
-            "k": randn(TOTAL, 2, HEAD_DIM, seed=index + 1, dtype=torch.float64),
-            "v": randn(TOTAL, 2, HEAD_DIM, seed=index + 2, dtype=torch.float64),
-        }
-        report = check_cp_parity(
-            workers, _ring_case, seq_lens=seq_lens, inputs=inputs, seq_dims={"q": 0, "k": 0, "v": 0}, seed=index
-        )
-        report.assert_close(rtol=1e-12)
+        inputs = _assert_float64_parity(workers, seq_lens, index)
         qkv = (inputs[n].float() for n in "qkv")
         for difference in workers.run(attention_style_difference, seq_lens, *qkv, ("kv_ring", "kv_gather")):
             assert difference < 1e-5, (seq_lens, difference)
@@ -436,15 +442,7 @@ def test_kv_ring_parity_cp8_float64(workers):
     hops = {ring_plans(tuple(lens), cp)[0].hops for lens in layouts.values()}
     assert cp - 1 in hops and 1 in hops, hops
     for index, seq_lens in enumerate(layouts.values()):
-        inputs = {
-            "q": randn(total, 4, HEAD_DIM, seed=index, dtype=torch.float64),
-            "k": randn(total, 2, HEAD_DIM, seed=index + 1, dtype=torch.float64),
-            "v": randn(total, 2, HEAD_DIM, seed=index + 2, dtype=torch.float64),
-        }
-        report = check_cp_parity(
-            workers, _ring_case, seq_lens=seq_lens, inputs=inputs, seq_dims={"q": 0, "k": 0, "v": 0}, seed=index
-        )
-        report.assert_close(rtol=1e-12)
+        _assert_float64_parity(workers, seq_lens, index)
 
 
 @pytest.mark.parametrize("workers", (3,), indirect=True, ids=lambda cp: f"cp{cp}")

@@ -548,10 +548,10 @@ class CausalLMOutput:
 
 def row_tokens(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> int:
     """The tokens this rank holds, from ``input_ids`` ([T] or [1, T]) or ``inputs_embeds`` ([T, H] or [1, T, H]),
-    read before embedding (0 when neither is given: :func:`embed_row` then raises)."""
-    if input_ids is not None:
-        return input_ids.size(-1)
-    return 0 if inputs_embeds is None else inputs_embeds.size(-2)
+    read before embedding."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ContextParallelError("pass exactly one of input_ids and inputs_embeds")
+    return input_ids.size(-1) if input_ids is not None else inputs_embeds.size(-2)
 
 
 def embed_row(
