@@ -19,6 +19,7 @@
 #   bash benchmarks/gpu_session_models.sh peaks     # allocation sites at the 256k / cp 4 peak; rank 0 at cp 2, 4
 #   bash benchmarks/gpu_session_models.sh kvgather  # all-gathered-KV attention: GPU tests, layer time, 0.8B at cp 16 / 64
 #   bash benchmarks/gpu_session_models.sh ring      # ring attention: its flash block kernels' test, 0.8B at cp 16 / 32 / 64
+#   bash benchmarks/gpu_session_models.sh pending   # every GPU test written but not yet run (ring kernels, GDN under CP)
 # Logs and tables land under $OUT. Compilation and autotuning of fla's kernels cost minutes per fresh machine (the
 # first step of a new process: ~175 s for a Qwen3.5 model, 8 minutes on 2026-12-04 for the simulated 0.8B at cp 16;
 # a lone Mamba layer did not finish in 150 s), so every part leaves the Triton cache (compiled kernels and fla's
@@ -177,6 +178,14 @@ case "${1:-tests}" in
       --attention-cp kv_ring --planned-bytes --warmup-tokens 4096 \
       --baseline docs/benchmarks/simulated_scale_qwen3_5-0.8b.json --points ${POINTS:-524288:16 1048576:32 2097152:64} \
       2>&1 | tee "$OUT/ring/log.txt" | grep -E "^\||^\{"
+    ;;
+  pending)  # the GPU tests written in sessions without a device, in one call: the ring's fast kernels (2026-12-04,
+    # session 10), fla GDN rank 0 under CP bitwise equal to the local run and no rank keeping the conv output (session 9)
+    versions | tee "$OUT/device.txt"
+    mkdir -p "$OUT/pending"
+    timeout 420 python3 -m pytest -v -p no:cacheprovider packages/cp-core/tests/test_core_attention_gpu.py \
+      packages/cp-core/tests/test_core_recurrent_gpu.py -k "ring or cp_gdn_fla_rank0 or prepass_keeps_no_conv" 2>&1 \
+      | tee "$OUT/pending/tests.log" | grep -E "PASS|FAIL|ERROR|passed|failed"
     ;;
   large)
     mkdir -p "$OUT/large"
