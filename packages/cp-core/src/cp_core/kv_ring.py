@@ -59,17 +59,24 @@ from cp_core.topology import CPTopology
 # (equal lengths); otherwise every key precedes every query of its document (no mask).
 
 
-def reference_block_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, scale: float):
-    """Torch reference of a block's attention: ``(out, lse)`` in fp32 (fp64 for fp64 inputs)."""
+def _document_scores(q, k, v, cu_q, cu_k, causal: bool, scale: float):
+    """Per document of a block: its rows ``(q0, q1)``, its q, k, v in fp32 (fp64 for fp64 inputs; k and v repeated
+    to the query heads) and its masked scores ``[H, q, k]``."""
     compute = torch.promote_types(q.dtype, torch.float32)
     group = q.size(1) // k.size(1)
-    outputs, lses = [], []
     for (q0, q1), (k0, k1) in zip(_pairs(cu_q), _pairs(cu_k), strict=True):
         qd = q[q0:q1].to(compute)
         kd, vd = (t[k0:k1].to(compute).repeat_interleave(group, dim=1) for t in (k, v))
         scores = torch.einsum("ihd,jhd->hij", qd, kd) * scale
         if causal:
             scores = scores.masked_fill(~_causal_mask(q1 - q0, k1 - k0, None, q.device), float("-inf"))
+        yield (q0, q1), qd, kd, vd, scores
+
+
+def reference_block_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, scale: float):
+    """Torch reference of a block's attention: ``(out, lse)`` in fp32 (fp64 for fp64 inputs)."""
+    outputs, lses = [], []
+    for _, _, _, vd, scores in _document_scores(q, k, v, cu_q, cu_k, causal, scale):
         lse = scores.logsumexp(-1)
         outputs.append(torch.einsum("hij,jhd->ihd", (scores - lse[..., None]).exp(), vd))
         lses.append(lse)
@@ -79,16 +86,11 @@ def reference_block_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, sca
 def reference_block_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal: bool, scale: float):
     """Torch reference of a block's backward: ``(dq, dk, dv)`` of this block's share, from the row's ``out`` and
     ``lse`` (the probabilities are ``exp(scores - lse)``; ``rowsum(dout * out)`` is the softmax's correction)."""
-    compute = torch.promote_types(q.dtype, torch.float32)
     heads_kv, group = k.size(1), q.size(1) // k.size(1)
     dqs, dks, dvs = [], [], []
-    for (q0, q1), (k0, k1) in zip(_pairs(cu_q), _pairs(cu_k), strict=True):
-        qd, do, od = (t[q0:q1].to(compute) for t in (q, dout, out))
-        kd, vd = (t[k0:k1].to(compute).repeat_interleave(group, dim=1) for t in (k, v))
-        scores = torch.einsum("ihd,jhd->hij", qd, kd) * scale
-        if causal:
-            scores = scores.masked_fill(~_causal_mask(q1 - q0, k1 - k0, None, q.device), float("-inf"))
-        probs = (scores - lse[:, q0:q1, None].to(compute)).exp()
+    for (q0, q1), qd, kd, vd, scores in _document_scores(q, k, v, cu_q, cu_k, causal, scale):
+        do, od = (t[q0:q1].to(qd.dtype) for t in (dout, out))
+        probs = (scores - lse[:, q0:q1, None].to(qd.dtype)).exp()
         dvs.append(torch.einsum("hij,ihd->jhd", probs, do))
         dprobs = torch.einsum("ihd,jhd->hij", do, vd)
         correction = (do * od).sum(-1).transpose(0, 1)  # [H, i]
@@ -217,6 +219,10 @@ class RingPlan:
     partner: int | None
     hops: int
     calls: tuple[tuple[BlockCall, ...], ...]
+    bound_table: tuple[int, ...]
+    """Every call's ``cu_q`` then ``cu_k``, step by step, one flat table (moved to the kernels' device per forward)."""
+    bound_starts: tuple[tuple[int, ...], ...]
+    """Per step, where each call's bounds begin in ``bound_table``."""
 
 
 def _last_step(rank: int, cp: int, first_block: int, last_block: int) -> int:
@@ -274,11 +280,16 @@ def ring_plan(seq_lens: tuple[int, ...], cp: int, rank: int, balance: bool = Tru
     """Rank ``rank``'s :class:`RingPlan` (see :func:`ring_layout`; cached)."""
     stretches, partners, hops = ring_layout(seq_lens, cp, balance)
     local = sum(seq_lens) // cp
-    calls = []
+    calls, table, starts = [], [], []
     for step in range(hops + 1):
         block = (rank - step) % cp
         calls.append(tuple(block_calls(stretches[rank], block * local, (block + 1) * local)))
-    return RingPlan(stretches[rank], partners[rank], hops, tuple(calls))
+        starts.append([])
+        for call in calls[-1]:
+            starts[-1].append(len(table))
+            for lens in (call.q_lens, call.k_lens):
+                table.extend(itertools.accumulate(lens, initial=0))
+    return RingPlan(stretches[rank], partners[rank], hops, tuple(calls), tuple(table), tuple(tuple(s) for s in starts))
 
 
 def ring_plans(seq_lens: tuple[int, ...], cp: int, balance: bool = True) -> tuple[RingPlan, ...]:
@@ -309,26 +320,16 @@ def _wait(pending) -> list[torch.Tensor]:
     return received
 
 
-def _bounds(
-    calls_by_step: Sequence[Sequence[BlockCall]], device: torch.device
-) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Each call's ``cu_q`` and ``cu_k`` (int32), step by step: views of one tensor moved to ``device`` in one
-    copy."""
-    flat = []
-    for calls in calls_by_step:
-        for call in calls:
-            for lens in (call.q_lens, call.k_lens):
-                flat.append(0)
-                for n in lens:
-                    flat.append(flat[-1] + n)
-    table = torch.tensor(flat, dtype=torch.int32).to(device, non_blocking=True)
-    bounds, at = [], 0
-    for calls in calls_by_step:
+def _bounds(plan: RingPlan, device: torch.device) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Each call's ``cu_q`` and ``cu_k`` (int32), step by step: views of the plan's table, moved to ``device`` in
+    one copy."""
+    table = torch.tensor(plan.bound_table, dtype=torch.int32).to(device, non_blocking=True)
+    bounds = []
+    for calls, starts in zip(plan.calls, plan.bound_starts, strict=True):
         bounds.append([])
-        for call in calls:
-            n = len(call.q_lens) + 1
-            bounds[-1].append((table[at : at + n], table[at + n : at + 2 * n]))
-            at += 2 * n
+        for call, at in zip(calls, starts, strict=True):
+            middle = at + len(call.q_lens) + 1
+            bounds[-1].append((table[at:middle], table[middle : middle + len(call.k_lens) + 1]))
     return bounds
 
 
@@ -346,7 +347,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, plan: RingPlan, topology: CPTopology, scale: float, kernels: BlockKernels):
         cp, rank = topology.size, topology.rank
         queries = _swap_second_half(q, plan.partner, topology).contiguous()
-        bounds = _bounds(plan.calls, torch.device("cpu") if kernels.on_host else q.device)
+        bounds = _bounds(plan, torch.device("cpu") if kernels.on_host else q.device)
         compute = torch.promote_types(q.dtype, torch.float32)
         out = q.new_zeros((*queries.shape[:2], v.size(2)), dtype=compute)
         lse = q.new_full((q.size(1), q.size(0)), float("-inf"), dtype=compute)
