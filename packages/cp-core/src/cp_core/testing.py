@@ -35,6 +35,9 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from cp_core.cp_attention import context_parallel_attention
+from cp_core.kv_gather import kv_gather_attention
+from cp_core.kv_ring import kv_ring_attention
 from cp_core.packing import PackedRowMetadata, build_packed_metadata
 from cp_core.sharding import shard_sequence
 from cp_core.topology import CPTopology
@@ -431,9 +434,6 @@ def kv_attention_case(
 ) -> torch.Tensor:
     """A parity case (:func:`check_cp_parity`): all-gathered KV, or ring-passed KV with ``ring``, on the torch
     backend. ``strided``: q with the same values, dense but not contiguous (what a rank sends must still be)."""
-    from cp_core.kv_gather import kv_gather_attention
-    from cp_core.kv_ring import kv_ring_attention
-
     if strided:
         q = q.transpose(1, 2).contiguous().transpose(1, 2)
         assert not q.is_contiguous()
@@ -448,8 +448,6 @@ def attention_style_difference(
 ) -> float:
     """On this rank (a :class:`GlooWorkers` function): the largest difference between the outputs of two attention
     CP styles (``styles``, e.g. ``("kv_ring", "kv_gather")``) for the row's ``q``, ``k``, ``v``, torch backend."""
-    from cp_core.cp_attention import context_parallel_attention
-
     meta = build_packed_metadata(seq_lens, topology.rank, topology.size)
     local = [t[meta.shard_start : meta.shard_end] for t in (q, k, v)]
     a, b = (context_parallel_attention(*local, meta, topology, style, backend="torch") for style in styles)
