@@ -265,36 +265,17 @@ def test_attention_strategy_beyond_the_query_heads():
 def test_kv_gather_keeps_the_gathered_row_alive_on_every_rank():
     """The planner's kv_gather width counts the whole gathered k|v buffer, [S, 2 Hkv, D], on every rank: the
     attention saves views of it (the first rank's keys are only its own shard, yet the buffer is one tensor)."""
-    from cp_models.qwen3_5 import Qwen35Attention
-
     config = tiny_qwen35_config()
-    attention = Qwen35Attention(config, "torch", "torch").to(torch.bfloat16)
     cp, seq_len = 4, 64
     gathered_bytes = seq_len * 2 * config.num_key_value_heads * config.head_dim * 2
-    packed = []
-
-    def pack(t):
-        packed.append(t)
-        return t
-
     for rank in range(cp):
-        with fake_process_group(rank, cp) as group:
-            set_context_parallel_attributes(attention, group, rank, cp, attention_cp_style="kv_gather")
-            meta = build_packed_metadata([seq_len], rank, cp)
-            x = torch.randn(meta.local_len, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
-            rotary = Qwen35Rotary(config)(meta.local_position_ids, torch.bfloat16)
-            packed.clear()
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = attention(x, rotary, meta)
-            sizes = {t.untyped_storage().nbytes() for t in packed}
-            assert gathered_bytes in sizes, (rank, sorted(sizes))
-            del out
-            set_context_parallel_attributes(attention, None, 0, 1)
+        sizes = set(_attention_saved_storages(config, rank, cp, seq_len // cp, "kv_gather").values())
+        assert gathered_bytes in sizes, (rank, sorted(sizes))
 
 
-def _attention_saved_bytes(config, rank: int, cp: int, local: int, style: str) -> int:
-    """Bytes autograd keeps for backward of one Qwen3.5 attention layer (bf16, torch paths) on ``rank`` of a fake
-    group of ``cp`` ranks, one document spanning the row, storages counted once."""
+def _attention_saved_storages(config, rank: int, cp: int, local: int, style: str) -> dict[int, int]:
+    """The storages autograd keeps for backward of one Qwen3.5 attention layer (bf16, torch paths) on ``rank`` of a
+    fake group of ``cp`` ranks, one document spanning the row (``cp_core.testing.saved_storages``)."""
     from cp_core.testing import saved_storages
     from cp_models.qwen3_5 import Qwen35Attention
 
@@ -305,7 +286,11 @@ def _attention_saved_bytes(config, rank: int, cp: int, local: int, style: str) -
         x = torch.randn(local, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
         rotary = Qwen35Rotary(config)(meta.local_position_ids, torch.bfloat16)
         _, storages = saved_storages(lambda: attention(x, rotary, meta))
-    return sum(storages.values())
+    return storages
+
+
+def _attention_saved_bytes(config, rank: int, cp: int, local: int, style: str) -> int:
+    return sum(_attention_saved_storages(config, rank, cp, local, style).values())
 
 
 def test_kv_ring_keeps_the_same_bytes_at_any_cp():
