@@ -20,6 +20,7 @@ Writes the table to docs/benchmarks/attention_cp.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 from unittest import mock
 
@@ -47,26 +48,28 @@ def _stand_in_attention(q, k, v, *args, **kwargs):
     return q + (k.sum(0) + v.sum(0))
 
 
+def _count_rank0(attend, lens: list[int], seq_len: int, cp: int, hq: int, hkv: int, dim: int, stand_in=None):
+    """Bytes rank 0 of a fake group of ``cp`` sends and its number of collectives (each send and receive counted),
+    while ``attend`` (q, k, v of zeros, bf16) runs forward + backward over a row of documents ``lens``, with
+    ``stand_in`` (a context manager) around it."""
+    with fake_process_group(0, cp) as group:
+        topology = CPTopology.from_group(group)
+        metadata = build_packed_metadata(lens, topology.rank, cp)
+        local = seq_len // cp
+        q, k, v = (torch.zeros(local, h, dim, dtype=torch.bfloat16, requires_grad=True) for h in (hq, hkv, hkv))
+        with CommCounter(cp) as counter, stand_in or contextlib.nullcontext():
+            out = attend(q, k, v, metadata, topology, backend="torch")
+            out.backward(torch.zeros_like(out))
+        return counter.total_sent_bytes, len(counter.records)
+
+
 def measure_kv_gather(seq_len: int, cp: int, hq: int, hkv: int, dim: int, real: bool) -> tuple[int, int]:
     """Bytes rank 0 sends (the most: it swaps queries where any rank does) and the number of collectives, forward +
     backward. ``real``: 128-token documents, real attention; else one document spanning the row, stand-in
     arithmetic."""
-    with fake_process_group(0, cp) as group:
-        topology = CPTopology.from_group(group)
-        lens = [DOC_LEN] * (seq_len // DOC_LEN) if real else [seq_len]
-        metadata = build_packed_metadata(lens, topology.rank, cp)
-        local = seq_len // cp
-        q = torch.zeros(local, hq, dim, dtype=torch.bfloat16, requires_grad=True)
-        k = torch.zeros(local, hkv, dim, dtype=torch.bfloat16, requires_grad=True)
-        v = torch.zeros(local, hkv, dim, dtype=torch.bfloat16, requires_grad=True)
-        with CommCounter(cp) as counter:
-            if real:
-                out = kv_gather_attention(q, k, v, metadata, topology, backend="torch")
-            else:
-                with mock.patch("cp_core.kv_gather.varlen_causal_attention", _stand_in_attention):
-                    out = kv_gather_attention(q, k, v, metadata, topology, backend="torch")
-            out.backward(torch.zeros_like(out))
-        return counter.total_sent_bytes, len(counter.records)
+    lens = [DOC_LEN] * (seq_len // DOC_LEN) if real else [seq_len]
+    stand_in = None if real else mock.patch("cp_core.kv_gather.varlen_causal_attention", _stand_in_attention)
+    return _count_rank0(kv_gather_attention, lens, seq_len, cp, hq, hkv, dim, stand_in)
 
 
 STAND_IN_BLOCKS = BlockKernels(
@@ -81,17 +84,8 @@ STAND_IN_BLOCKS = BlockKernels(
 
 def measure_kv_ring(seq_len: int, cp: int, hq: int, hkv: int, dim: int) -> tuple[int, int]:
     """Bytes rank 0 sends and its number of sends and receives, forward + backward, one document spanning the row."""
-    with fake_process_group(0, cp) as group:
-        topology = CPTopology.from_group(group)
-        metadata = build_packed_metadata([seq_len], topology.rank, cp)
-        local = seq_len // cp
-        q = torch.zeros(local, hq, dim, dtype=torch.bfloat16, requires_grad=True)
-        k = torch.zeros(local, hkv, dim, dtype=torch.bfloat16, requires_grad=True)
-        v = torch.zeros(local, hkv, dim, dtype=torch.bfloat16, requires_grad=True)
-        with CommCounter(cp) as counter, mock.patch("cp_core.kv_ring.resolve_ring_kernels", lambda *a: STAND_IN_BLOCKS):
-            out = kv_ring_attention(q, k, v, metadata, topology, backend="torch")
-            out.backward(torch.zeros_like(out))
-        return counter.total_sent_bytes, len(counter.records)
+    stand_in = mock.patch("cp_core.kv_ring.resolve_ring_kernels", lambda *a: STAND_IN_BLOCKS)
+    return _count_rank0(kv_ring_attention, [seq_len], seq_len, cp, hq, hkv, dim, stand_in)
 
 
 def busiest_over_mean(seq_len: int, cp: int, doc_len: int | None, balance: bool) -> float:
