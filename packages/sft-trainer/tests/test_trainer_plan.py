@@ -895,3 +895,40 @@ def test_lora_on_down_proj_counts_the_plain_mlp():
     extra = 8192 * config.num_hidden_layers * 2 * config.intermediate_size * 2
     assert activations(["q_proj", "down_proj"]) - activations(["q_proj"]) == extra
     assert activations(["q_proj", "up_proj"]) == activations(["q_proj"])
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_gpu_run_warns_before_launch_when_the_plan_does_not_fit(capsys, monkeypatch, rank):
+    """On a GPU, `sft-train` prints the planner's reason and fixes before any weights load (rank 0 only), then
+    launches anyway: the estimate is within 15 %, so a run near the limit may still fit."""
+    import sft_trainer.run as run
+
+    launched = []
+    monkeypatch.setattr(run, "_device_and_backend_names", lambda cfg: ("cuda", "nccl"))
+    monkeypatch.setattr(run, "launch", launched.append)
+    monkeypatch.setenv("RANK", rank)
+    args = ["--config", "tiny_cpu", "--model.config", "qwen3_5-0.8b", "--model.dtype", "bfloat16"]
+    run_main([*args, "--data.seq_len", "1048576", "--parallel.cp", "2"])
+    out = capsys.readouterr().out
+    expected = plan.build_plan(load_config("tiny_cpu", [*args[2:], "--data.seq_len", "1048576", "--parallel.cp", "2"]))
+    assert len(launched) == 1 and not expected["fits"]
+    if rank == "0":
+        assert (
+            out
+            == f"[sft-train] warning: likely out of memory: {expected['problems'][0]} (sft-train plan prints the estimate)\n"
+        )
+        assert "does not fit: needs" in out and "enable model.activation_checkpointing" in out
+    else:
+        assert out == ""
+    run_main([*args, "--data.seq_len", "8192", "--parallel.cp", "2"])  # fits: nothing printed
+    assert capsys.readouterr().out == "" and len(launched) == 2
+
+
+def test_a_cpu_run_skips_the_gpu_plan(capsys, monkeypatch):
+    import sft_trainer.run as run
+
+    monkeypatch.setattr(run, "_device_and_backend_names", lambda cfg: ("cpu", "gloo"))
+    monkeypatch.setattr(run, "launch", lambda cfg: None)
+    monkeypatch.setattr(run, "warn_when_plan_does_not_fit", lambda cfg: pytest.fail("planned a CPU run"))
+    run_main(["--config", "tiny_cpu", "--model.config", "qwen3_5-0.8b", "--data.seq_len", "1048576"])
+    assert capsys.readouterr().out == ""

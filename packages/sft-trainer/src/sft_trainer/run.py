@@ -64,9 +64,7 @@ def _spawned(rank: int, cfg, world: int, port: int) -> None:
 
 
 def _device_and_backend(cfg) -> tuple[torch.device, str]:
-    backend = cfg.parallel.backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    _, backend = _device_and_backend_names(cfg)
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)
@@ -375,7 +373,29 @@ def main(argv: list[str] | None = None) -> None:
         world_layout(cfg)  # the process layout must fit before anything starts
     except ConfigError as exc:
         raise SystemExit(f"sft-train: invalid configuration:\n{exc}") from None
+    if _device_and_backend_names(cfg)[0] == "cuda" and os.environ.get("RANK", "0") == "0":
+        warn_when_plan_does_not_fit(cfg)
     launch(cfg)
+
+
+def _device_and_backend_names(cfg) -> tuple[str, str]:
+    """Where a run of ``cfg`` would train, without touching a device: ("cuda", "nccl") or ("cpu", "gloo")."""
+    backend = cfg.parallel.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    return ("cuda" if backend == "nccl" else "cpu"), backend
+
+
+def warn_when_plan_does_not_fit(cfg, gpu_memory_gib: float | None = None) -> bool:
+    """Before any weights load, print the planner's verdict when its per-rank estimate exceeds the GPU (the
+    reason and the fixes ``sft-train plan`` gives). A warning, not a refusal: the estimate is within 15 % of the
+    measured peaks, so a run near the limit may still fit. Returns whether the plan fits."""
+    from sft_trainer.plan import build_plan
+
+    plan = build_plan(cfg, gpu_memory_gib=gpu_memory_gib)
+    for problem in plan["problems"]:
+        print(f"[sft-train] warning: likely out of memory: {problem} (sft-train plan prints the estimate)", flush=True)
+    return bool(plan["fits"])
 
 
 if __name__ == "__main__":
