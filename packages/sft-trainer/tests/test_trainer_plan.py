@@ -932,3 +932,17 @@ def test_a_cpu_run_skips_the_gpu_plan(capsys, monkeypatch):
     monkeypatch.setattr(run, "warn_when_plan_does_not_fit", lambda cfg: pytest.fail("planned a CPU run"))
     run_main(["--config", "tiny_cpu", "--model.config", "qwen3_5-0.8b", "--data.seq_len", "1048576"])
     assert capsys.readouterr().out == ""
+
+
+def test_a_plan_that_cannot_be_built_does_not_stop_the_run(capsys, monkeypatch):
+    import sft_trainer.plan
+    import sft_trainer.run as run
+
+    def broken(cfg, **kwargs):
+        raise KeyError("hidden_size")
+
+    monkeypatch.setattr(sft_trainer.plan, "build_plan", broken)
+    assert run.warn_when_plan_does_not_fit(load_config("tiny_cpu")) is True
+    assert (
+        capsys.readouterr().out == "[sft-train] note: no memory estimate (KeyError: 'hidden_size'); starting anyway\n"
+    )

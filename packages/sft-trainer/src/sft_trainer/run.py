@@ -392,7 +392,11 @@ def warn_when_plan_does_not_fit(cfg, gpu_memory_gib: float | None = None) -> boo
     measured peaks, so a run near the limit may still fit. Returns whether the plan fits."""
     from sft_trainer.plan import build_plan
 
-    plan = build_plan(cfg, gpu_memory_gib=gpu_memory_gib)
+    try:
+        plan = build_plan(cfg, gpu_memory_gib=gpu_memory_gib)
+    except Exception as exc:  # the estimate is advice: a config the planner cannot read still trains
+        print(f"[sft-train] note: no memory estimate ({type(exc).__name__}: {exc}); starting anyway", flush=True)
+        return True
     for problem in plan["problems"]:
         print(f"[sft-train] warning: likely out of memory: {problem} (sft-train plan prints the estimate)", flush=True)
     return bool(plan["fits"])
