@@ -90,8 +90,11 @@ def _check_rows(topology: CPTopology, differing_ranks: tuple[int, ...], how: str
         check_same_row_on_every_rank([8, 8] if odd else [16], topology)
     elif how == "invalid":  # not even a valid row: compared raw, before anything could raise on that rank alone
         check_same_row_on_every_rank(["eight"] if odd else [16], topology)
-    else:  # the same lengths, another shard size
+    elif how == "extra":  # the same lengths, another shard size
         check_same_row_on_every_rank([16], topology, extra=(5 if odd else 4,))
+    else:  # the same row, but this rank's own input checks failed (the odd ones also hold another row)
+        problem = ValueError(f"labels of rank {topology.rank} are one short") if odd else None
+        check_same_row_on_every_rank([8, 8] if odd else [16], topology, problem=problem)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -217,5 +220,33 @@ def test_ranks_given_different_rows_all_raise(workers4):
         assert all(isinstance(r, RankFailure) and r.type_name == "ContextParallelError" for r in results), results
         odd = sorted({1, 2, 3} - set(differing)) if 0 in differing else list(differing)
         assert {r.message for r in results} == {results[0].message}
-        assert f"rank(s) {odd} got other document lengths or row sizes than rank 0" in results[0].message
+        assert f"rank(s) {odd} got other document lengths or input shapes than rank 0" in results[0].message
         assert workers4.run(_all_reduce_ranks, timeout_s=60) == [6] * 4
+
+
+def test_a_rank_whose_own_inputs_fail_stops_every_rank(workers4):
+    """A rank whose own input checks failed raises its error; every other rank raises one naming it, at once,
+    instead of waiting for it in the next collective. A local problem outranks a differing row."""
+    workers4.run(_all_reduce_ranks, timeout_s=120)
+    for failing in ((2,), (0, 3)):
+        started = time.monotonic()
+        results = workers4.run_collect(_check_rows, failing, "problem", timeout_s=60)
+        assert time.monotonic() - started < 30
+        for rank, result in enumerate(results):
+            assert isinstance(result, RankFailure), result
+            if rank in failing:
+                assert (result.type_name, result.message) == ("ValueError", f"labels of rank {rank} are one short")
+            else:
+                assert result.type_name == "ContextParallelError"
+                assert f"CP rank(s) {list(failing)} rejected their inputs for this row" in result.message
+                assert f"rank {rank} stops here too" in result.message
+        assert workers4.run(_all_reduce_ranks, timeout_s=60) == [6] * 4
+
+
+def test_without_cp_a_local_problem_is_raised_as_is():
+    topology = CPTopology.single()
+    with pytest.raises(KeyError, match="hidden"):
+        check_same_row_on_every_rank([4], topology, problem=KeyError("hidden"))
+    with pytest.raises(ContextParallelError, match="labels are short"):
+        check_same_row_on_every_rank([4], topology, problem="labels are short")
+    check_same_row_on_every_rank([4], topology)

@@ -476,3 +476,36 @@ def test_attention_heads_that_do_not_split_are_rejected_under_ulysses(workers):
     # Unless attention gathers the keys and values ("auto" picks that for them).
     for attention in ("auto", "kv_gather"):
         assert workers.run(_set_cp, "hybrid", "state_passing", overrides, attention, timeout_s=60) == ["ok"] * cp
+
+
+def _forward_with_bad_input(topology: CPTopology, style: str, bad_ranks: tuple[int, ...], what: str) -> int:
+    """A cp forward and backward of the hybrid model where ranks ``bad_ranks`` pass a malformed ``what``."""
+    torch.manual_seed(0)
+    local = 8
+    model = build_model("hybrid", style)
+    set_context_parallel_attributes(model, topology.group, topology.rank, topology.size)
+    ids = torch.randint(0, VOCAB, (local,))
+    kwargs: dict = {"labels": ids.clone()}
+    if topology.rank in bad_ranks and what == "position_ids":
+        kwargs["position_ids"] = torch.arange(local - 1)
+    elif topology.rank in bad_ranks and what == "labels_batch":
+        kwargs["labels"] = torch.stack([ids, ids])
+    out = model(ids, [3, topology.size * local - 3], **kwargs)
+    out.token_log_probs.sum().backward()
+    return local
+
+
+@with_workers
+@pytest.mark.parametrize("style", STYLES)
+def test_one_rank_with_a_bad_input_stops_every_rank(workers, style):
+    """Nemotron-H has no positions, yet a wrong position_ids shape on one rank, or labels for a batch of two, stop
+    every rank at once (that rank with its error, the others naming it) instead of leaving them in an exchange."""
+    cp = workers.world_size
+    for failing, what, says in (
+        ((cp - 1,), "position_ids", "position_ids (7,) must be [T], [1, T] or [3, T] with this rank's T = 8"),
+        ((0,), "labels_batch", "labels has batch size 2"),
+    ):
+        workers.assert_failing_ranks_stop_every_rank(
+            _forward_with_bad_input, style, failing, what, failing=failing, says=says
+        )
+    assert workers.run(_forward_with_bad_input, style, (), "none", timeout_s=120) == [8] * cp

@@ -510,10 +510,68 @@ def test_bad_row_lengths_are_rejected(workers):
         must_name=[f"seq_lens sum to {2 * cp * local}", f"holds {local}"],
     )
     # Every rank's row is valid, but the last rank was given another one: every rank raises, before any exchange
-    # could leave one waiting; also where the odd row would fail the last rank's own checks (its sum).
-    for odd in ([cp * local], [cp * local + 1]):
-        assert_every_rank_raises(
-            workers, _forward_with_seq_lens, local, {cp - 1: odd}, must_name=[f"rank(s) [{cp - 1}] got other"]
-        )
+    # could leave one waiting.
+    assert_every_rank_raises(
+        workers, _forward_with_seq_lens, local, {cp - 1: [cp * local]}, must_name=[f"rank(s) [{cp - 1}] got other"]
+    )
+    # The odd row also fails the last rank's own checks (its sum): that rank says why, the others name it.
+    results = workers.run_collect(_forward_with_seq_lens, local, {cp - 1: [cp * local + 1]}, timeout_s=60)
+    assert f"not divisible by cp={cp}" in results[-1].message
+    assert all(f"CP rank(s) [{cp - 1}] rejected their inputs" in r.message for r in results[:-1]), results
     # The control: the matching seq_lens run.
     assert workers.run(_forward_with_seq_lens, local, [3, cp * local - 3], timeout_s=120) == [(local,)] * cp
+
+
+def _forward_with_bad_input(topology: CPTopology, bad_ranks: tuple[int, ...], what: str) -> int:
+    """A cp forward and backward where ranks ``bad_ranks`` pass one malformed input of kind ``what``."""
+    torch.manual_seed(0)
+    local = 8
+    model = build_model("dense")
+    set_context_parallel_attributes(model, topology.group, topology.rank, topology.size, attention_cp_style="kv_gather")
+    ids = torch.randint(0, VOCAB, (local,))
+    kwargs = {"labels": ids.clone()}
+    if topology.rank in bad_ranks:
+        kwargs.update(bad_row_input(what, model, ids))
+        ids = kwargs.pop("input_ids", ids)
+    out = model(ids, [5, topology.size * local - 5], **kwargs)
+    out.token_log_probs.sum().backward()
+    return local
+
+
+def bad_row_input(what: str, model: torch.nn.Module, ids: torch.Tensor) -> dict:
+    """One malformed forward argument of kind ``what`` for a rank holding ``ids``, and the error it must raise."""
+    local, vocab = ids.numel(), model.config.vocab_size
+    if what == "position_ids":
+        return {"position_ids": torch.arange(local + 1)}
+    if what == "labels":
+        return {"labels": torch.randint(0, vocab, (local + 1,))}
+    if what == "label_value":  # one past the vocabulary, in this rank's shard only
+        return {"labels": torch.cat([ids[:-1], torch.tensor([vocab])])}
+    if what == "embeds_batch":
+        embeds = model.model.embed_tokens(ids).detach()
+        return {"input_ids": None, "inputs_embeds": torch.stack([embeds, embeds])}
+    assert what == "ids_type", what
+    return {"input_ids": ids.tolist()}
+
+
+BAD_ROW_INPUTS = {  # kind -> what the rank given it says
+    "position_ids": "position_ids (9,) must be [T], [1, T] or [3, T] with this rank's T = 8",
+    "labels": "labels (9,) must have this rank's 8 tokens",
+    "label_value": f"label {VOCAB} is outside the vocabulary of {VOCAB}",
+    "embeds_batch": "inputs_embeds has batch size 2",
+    "ids_type": "'list' object has no attribute",
+}
+
+
+@with_workers
+def test_one_rank_with_a_bad_input_stops_every_rank(workers):
+    """A malformed input on one rank only (its position_ids, labels, a label past the vocabulary, a batch of two
+    embeddings, a list for input_ids): that rank raises its own error and every other rank one naming it, at once,
+    instead of waiting for it in the next collective; the group stays in step."""
+    cp = workers.world_size
+    for failing, what in (((cp - 1,), "position_ids"), ((0,), "labels"), ((cp - 1,), "label_value"),
+                          ((1,), "embeds_batch"), ((0, cp - 1), "ids_type")):  # fmt: skip
+        workers.assert_failing_ranks_stop_every_rank(
+            _forward_with_bad_input, failing, what, failing=failing, says=BAD_ROW_INPUTS[what]
+        )
+    assert workers.run(_forward_with_bad_input, (), "none", timeout_s=120) == [8] * cp

@@ -242,4 +242,37 @@ def test_ranks_given_different_rows_raise_on_every_rank(workers, weights):
     results = workers.run_collect(_other_image_on_last_rank, weights[False], timeout_s=60)
     for rank, result in enumerate(results):
         assert isinstance(result, RankFailure) and result.type_name == "ContextParallelError", (rank, result)
-        assert f"rank(s) [{cp - 1}] got other document lengths or row sizes than rank 0" in result.message
+        assert f"rank(s) [{cp - 1}] got other document lengths or input shapes than rank 0" in result.message
+
+
+def _bad_input_on_some_ranks(topology: CPTopology, state, failing: tuple[int, ...], what: str) -> None:
+    """A valid image row on every rank, except that ranks ``failing`` pass one malformed ``what``."""
+    model = Qwen35VLForConditionalGeneration(make_config(), vision_attention="eager")
+    model.load_state_dict(state)
+    set_context_parallel_attributes(model, dist.group.WORLD, topology.rank, topology.size)
+    row = pad_row(build_row([[3, (1, 4, 4), 2], [5]], seed=0), topology.size)
+    ids, pixels, labels = row["input_ids"], row["pixel_values"], row["input_ids"].clone()
+    if topology.rank in failing:
+        if what == "labels":
+            labels = labels[:-1]
+        elif what == "label_value":
+            labels[0] = model.config.text_config.vocab_size
+        else:
+            pixels = pixels[:-1]
+    out = model(ids, row["seq_lens"], pixel_values=pixels, image_grid_thw=row["image_grid_thw"], labels=labels)
+    out.token_log_probs.sum().backward()
+
+
+def test_one_rank_with_a_bad_input_stops_every_rank(workers, weights):
+    """One rank's labels one short, a label past the vocabulary, or a patch row missing: that rank raises its own
+    error and the others one naming it, at once, instead of waiting for it in the vision merge or an exchange."""
+    cp = workers.world_size
+    vocab = make_config().text_config.vocab_size
+    for failing, what, says in (
+        ((cp - 1,), "labels", "must be the whole row like input_ids"),
+        ((0,), "label_value", f"label {vocab} is outside the vocabulary of {vocab}"),
+        ((1,), "pixel_values", "needs 16 patch rows"),
+    ):
+        workers.assert_failing_ranks_stop_every_rank(
+            _bad_input_on_some_ranks, weights[False], failing, what, failing=failing, says=says
+        )

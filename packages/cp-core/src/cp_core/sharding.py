@@ -71,28 +71,46 @@ def check_same_row_on_every_rank(
     topology: CPTopology,
     device: torch.device | str = "cpu",
     extra: Sequence[int] | torch.Tensor = (),
+    problem: BaseException | str | None = None,
 ) -> None:
-    """Raise the same error on every rank unless every rank of ``topology`` was given the same packed row: its
-    global document lengths ``seq_lens`` and ``extra`` (other values all ranks must share, e.g. the tokens a rank
-    holds or a VL row's image grids). Ranks given different rows would exchange mismatched halos, states and key
-    blocks: wrong numbers, or a rank waiting in an exchange its peer never enters. Call it before any check that
-    could raise on one rank only: the inputs are compared raw, so once they agree, every local check fails alike.
-    Rows with the same lengths but other tokens are not told apart. Costs one all-reduce of two int64 on
-    ``device`` (CUDA under NCCL) and a host sync, once per row (a ``fake`` group's no-op all-reduce passes)."""
+    """Raise on every rank unless every rank of ``topology`` was given the same packed row and none found a problem
+    with its own inputs.
+
+    The row is its global document lengths ``seq_lens`` and ``extra`` (other values all ranks must share, e.g. the
+    shapes of the tensors a rank holds or a VL row's image grids). Ranks given different rows would exchange
+    mismatched halos, states and key blocks: wrong numbers, or a rank waiting in an exchange its peer never enters.
+    ``problem`` is what this rank's own input checks raised (or None): that rank raises it, and every other rank a
+    ContextParallelError naming it, instead of waiting in the next collective for a rank that has stopped. Call it
+    before any check that could raise on one rank only: the inputs are compared raw, so once they agree, every
+    local check fails alike. Rows with the same lengths but other tokens are not told apart. Costs one all-reduce
+    of three int64 on ``device`` (CUDA under NCCL) and a host sync, once per row (a ``fake`` group's no-op
+    all-reduce passes)."""
     if not topology.enabled:
+        if problem is not None:
+            raise problem if isinstance(problem, BaseException) else ContextParallelError(problem)
         return
     fingerprint = hash((_as_ints(seq_lens), _as_ints(extra))) % 2**62  # tuples of ints hash alike in every process
-    both = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=topology.group)
-    highest, lowest = both.tolist()
+    failed = int(problem is not None)
+    state = torch.tensor([fingerprint, -fingerprint, failed], dtype=torch.int64, device=device)
+    dist.all_reduce(state, op=dist.ReduceOp.MAX, group=topology.group)
+    highest, lowest, any_failed = state.tolist()
+    if any_failed:  # every rank comes here alike
+        mine = torch.tensor([failed], dtype=torch.int64, device=device)
+        failing = [rank for rank, flag in enumerate(all_gather_rows(mine, topology).tolist()) if flag]
+        if problem is not None:
+            raise problem if isinstance(problem, BaseException) else ContextParallelError(problem)
+        raise ContextParallelError(
+            f"CP rank(s) {failing} rejected their inputs for this row (their error names the problem); rank "
+            f"{topology.rank} stops here too, so that no rank waits in a collective for them"
+        )
     if highest != -lowest:  # the same on every rank, so every rank comes here and names the odd ones
         mine = torch.tensor([fingerprint], dtype=torch.int64, device=device)
         fingerprints = all_gather_rows(mine, topology).tolist()
         differ = [rank for rank, other in enumerate(fingerprints) if other != fingerprints[0]]
         raise ContextParallelError(
             f"the ranks of the CP group hold different packed rows: rank(s) {differ} got other document lengths "
-            "or row sizes than rank 0; every CP rank must get the same row's global document lengths (seq_lens) "
-            "and its own shard of that row"
+            "or input shapes than rank 0; every CP rank must get the same row's global document lengths "
+            "(seq_lens) and its own shard of that row, with tensors of the same shapes"
         )
 
 

@@ -219,6 +219,32 @@ class GlooWorkers:
             raise RankError(failures)
         return results
 
+    def assert_failing_ranks_stop_every_rank(
+        self, fn: Callable, *args: Any, failing: Sequence[int], says: str, within_s: float = 30.0, **kwargs: Any
+    ) -> None:
+        """Run ``fn`` where ranks ``failing`` reject their own inputs: each of them must raise an error whose message
+        holds ``says``, every other rank a ContextParallelError naming them, all within ``within_s`` (nobody waits
+        for them in a collective), and the group must still be in step afterwards."""
+        started = time.monotonic()
+        results = self.run_collect(fn, *args, timeout_s=max(60.0, 2 * within_s), **kwargs)
+        assert time.monotonic() - started < within_s, f"the ranks took {time.monotonic() - started:.1f} s to stop"
+        for rank, result in enumerate(results):
+            assert isinstance(result, RankFailure), f"rank {rank} did not raise: {result!r}"
+            if rank in failing:
+                assert says in result.message, f"rank {rank}: {says!r} not in {result.message!r}"
+            else:
+                naming = f"CP rank(s) {sorted(failing)} rejected their inputs"
+                assert result.type_name == "ContextParallelError", f"rank {rank}: {result.type_name}: {result.message}"
+                assert naming in result.message, f"rank {rank}: {naming!r} not in {result.message!r}"
+        assert self.run(_rank_sum, timeout_s=60) == [sum(range(self.world_size))] * self.world_size
+
+
+def _rank_sum(topology: CPTopology) -> int:
+    """Every rank joins one all-reduce of its rank (a health check of the group)."""
+    value = torch.tensor([float(topology.rank)])
+    dist.all_reduce(value, group=topology.group)
+    return int(value.item())
+
 
 # --------------------------------------------------------------------------------------------------------
 # Packed layouts

@@ -27,7 +27,7 @@ from cp_core import (
     resolve_attention_cp_style,
     resolve_recurrent_backend,
 )
-from cp_core.packing import check_divisible
+from cp_core.packing import check_divisible, normalize_seq_lens
 
 
 class ContextParallelModule(nn.Module):
@@ -116,21 +116,95 @@ def set_context_parallel_attributes(
 
 
 def build_row_metadata(
-    seq_lens: Sequence[int] | torch.Tensor, local_len: int, topology: CPTopology, device: torch.device | str = "cpu"
+    seq_lens: Sequence[int] | torch.Tensor,
+    local_len: int,
+    topology: CPTopology,
+    device: torch.device | str = "cpu",
+    *,
+    inputs: Sequence[torch.Tensor | None] = (),
+    problem: BaseException | None = None,
 ) -> PackedRowMetadata:
     """Metadata of one packed row whose local shard has ``local_len`` tokens, on ``device``. First checks that every
-    CP rank got the same row (:func:`cp_core.check_same_row_on_every_rank`: one tiny all-reduce on ``device``), so
-    that the validation after it raises on every rank alike; call it before anything else that can raise."""
-    check_same_row_on_every_rank(seq_lens, topology, device, extra=(local_len,))
+    CP rank got the same row, with ``inputs`` of the same shapes, and that no rank's own input checks failed
+    (``problem``, see :func:`validated_row_inputs`): :func:`cp_core.check_same_row_on_every_rank`, one tiny
+    all-reduce on ``device``. So the validation after it raises on every rank alike; call it before anything else
+    that can raise."""
+    if problem is None:
+        try:
+            check_divisible(sum(normalize_seq_lens(seq_lens)), topology.size)
+        except ContextParallelError as exc:  # shards of unequal size: the padding advice, not "other shapes"
+            problem = exc
+    extra = (local_len, *tensor_shapes(*inputs))
+    check_same_row_on_every_rank(seq_lens, topology, device, extra=extra, problem=problem)
     total = local_len * topology.size
-    meta = build_packed_metadata(seq_lens, topology.rank, topology.size, total_len=None)
-    if meta.total_len != total:
-        check_divisible(meta.total_len, topology.size)
+    lens = normalize_seq_lens(seq_lens)
+    if sum(lens) != total:  # before any divisibility advice: the lengths and the shard disagree
         raise ContextParallelError(
-            f"seq_lens sum to {meta.total_len} tokens but this rank holds {local_len} of a row split over "
+            f"seq_lens sum to {sum(lens)} tokens but this rank holds {local_len} of a row split over "
             f"cp={topology.size} ({total} tokens): pass the global document lengths and this rank's shard"
         )
-    return meta.to(device)
+    return build_packed_metadata(lens, topology.rank, topology.size, total_len=total).to(device)
+
+
+def tensor_shapes(*tensors: torch.Tensor | None) -> tuple[int, ...]:
+    """The shapes of ``tensors`` as one flat tuple of ints (each: its rank, then its sizes; -1 for None), to compare
+    across ranks."""
+    out: list[int] = []
+    for t in tensors:
+        out.extend((t.dim(), *t.shape) if isinstance(t, torch.Tensor) else (-1,))
+    return tuple(out)
+
+
+def _one_row(name: str, x: torch.Tensor, dims: int) -> torch.Tensor:
+    """``x`` with a leading batch dimension of 1 dropped ([1, *row] -> [*row]); raises for any other batch size."""
+    if x.dim() == dims + 1:
+        if x.size(0) != 1:
+            raise ContextParallelError(
+                f"{name} has batch size {x.size(0)} (shape {tuple(x.shape)}); a packed row is one sequence "
+                "(batch 1): pack the documents into one row and pass their lengths as seq_lens"
+            )
+        return x[0]
+    if x.dim() != dims:
+        raise ContextParallelError(f"{name} must have {dims} or {dims + 1} (batch 1) dims, got {tuple(x.shape)}")
+    return x
+
+
+def check_row_inputs(
+    input_ids: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+    position_ids: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    vocab_size: int | None = None,
+) -> int:
+    """This rank's token count, after checking its inputs: exactly one of ``input_ids`` ([T] or [1, T]) and
+    ``inputs_embeds`` ([T, H] or [1, T, H]); ``position_ids`` ending in T ([T], [1, T] or MRoPE [3, T]); ``labels``
+    [T] or [1, T], below ``vocab_size`` (negative: ignored)."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ContextParallelError("pass exactly one of input_ids and inputs_embeds")
+    if input_ids is not None:
+        tokens = _one_row("input_ids", input_ids, 1).size(0)
+    else:
+        tokens = _one_row("inputs_embeds", inputs_embeds, 2).size(0)
+    if position_ids is not None and (position_ids.dim() not in (1, 2) or position_ids.size(-1) != tokens):
+        raise ContextParallelError(
+            f"position_ids {tuple(position_ids.shape)} must be [T], [1, T] or [3, T] with this rank's T = {tokens}"
+        )
+    if labels is not None:
+        labels = _one_row("labels", labels, 1)
+        if labels.size(0) != tokens:
+            raise ContextParallelError(f"labels {tuple(labels.shape)} must have this rank's {tokens} tokens")
+        if vocab_size is not None and labels.numel() and int(labels.max()) >= vocab_size:
+            raise ContextParallelError(f"label {int(labels.max())} is outside the vocabulary of {vocab_size}")
+    return tokens
+
+
+def validated_row_inputs(*inputs: torch.Tensor | None, vocab_size: int | None = None) -> tuple[int, Exception | None]:
+    """:func:`check_row_inputs` without raising: (tokens, None), or (0, what it raised) for
+    :func:`build_row_metadata` to raise on every rank alike."""
+    try:
+        return check_row_inputs(*inputs, vocab_size=vocab_size), None
+    except Exception as exc:  # anything a rank's own inputs cause (also a wrong type) must stop every rank
+        return 0, exc
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -546,36 +620,21 @@ class CausalLMOutput:
     """log p(label) per token (fp32, 0 where label < 0), when labels are given."""
 
 
-def row_tokens(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> int:
-    """The tokens this rank holds, from ``input_ids`` ([T] or [1, T]) or ``inputs_embeds`` ([T, H] or [1, T, H]),
-    read before embedding."""
-    if (input_ids is None) == (inputs_embeds is None):
-        raise ContextParallelError("pass exactly one of input_ids and inputs_embeds")
-    return input_ids.size(-1) if input_ids is not None else inputs_embeds.size(-2)
-
-
 def embed_row(
     embed_tokens: nn.Embedding, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None
 ) -> torch.Tensor:
-    """This rank's embeddings [T, H] from ``input_ids`` ([T] or [1, T]) or ``inputs_embeds`` ([T, H] or [1, T, H])."""
-    if (input_ids is None) == (inputs_embeds is None):
-        raise ContextParallelError("pass exactly one of input_ids and inputs_embeds")
+    """This rank's embeddings [T, H] from ``input_ids`` ([T] or [1, T]) or ``inputs_embeds`` ([T, H] or [1, T, H])
+    (checked by :func:`check_row_inputs`)."""
     if input_ids is None:
-        return inputs_embeds[0] if inputs_embeds.dim() == 3 else inputs_embeds
-    if input_ids.dim() == 2:
-        if input_ids.size(0) != 1:
-            raise ContextParallelError(
-                f"input_ids has batch size {input_ids.size(0)}; a packed row is one sequence (batch 1)"
-            )
-        input_ids = input_ids[0]
-    return embed_tokens(input_ids)
+        return _one_row("inputs_embeds", inputs_embeds, 2)
+    return embed_tokens(_one_row("input_ids", input_ids, 1))
 
 
-def check_position_ids(position_ids: torch.Tensor | None, num_tokens: int) -> None:
-    if position_ids is not None and position_ids.size(-1) != num_tokens:
-        raise ContextParallelError(
-            f"position_ids {tuple(position_ids.shape)} must end in this rank's {num_tokens} tokens"
-        )
+def row_position_ids(position_ids: torch.Tensor | None, meta: PackedRowMetadata) -> torch.Tensor:
+    """``position_ids`` as [T] or [3, T] (a [1, T] batch dimension dropped), or the row's own positions when None."""
+    if position_ids is None:
+        return meta.local_position_ids
+    return position_ids[0] if position_ids.dim() == 2 and position_ids.size(0) == 1 else position_ids
 
 
 def causal_lm_output(
@@ -590,7 +649,7 @@ def causal_lm_output(
     without labels)."""
     out = CausalLMOutput(hidden_states=hidden)
     if labels is not None:
-        labels = labels[0] if labels.dim() == 2 else labels
+        labels = _one_row("labels", labels, 1)
         out.token_log_probs = token_log_probs(hidden, lm_head.weight, labels, loss_chunk_size)
     if return_logits or (return_logits is None and labels is None):
         out.logits = lm_head(hidden)

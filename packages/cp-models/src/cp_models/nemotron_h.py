@@ -51,14 +51,13 @@ from cp_models.common import (
     build_row_metadata,
     causal_lm_output,
     check_checkpoint_keys,
-    check_position_ids,
     combine_expert_outputs,
     embed_row,
     read_safetensors,
-    row_tokens,
     squared_relu_linear,
     strip_prefixes,
     unwrapped_names,
+    validated_row_inputs,
     write_safetensors,
 )
 
@@ -548,11 +547,11 @@ class NemotronHForCausalLM(nn.Module):
     ) -> CausalLMOutput:
         """Same contract as :class:`cp_models.Qwen35ForCausalLM`. Nemotron-H has no positional encoding (its
         attention has no rotary; order comes from the Mamba layers), so ``position_ids`` are only shape-checked."""
-        tokens, device = row_tokens(input_ids, inputs_embeds), self.model.embeddings.weight.device
-        meta = build_row_metadata(seq_lens, tokens, self.cp_topology, device)  # first: it checks every rank's row
-        embeds = embed_row(self.model.embeddings, input_ids, inputs_embeds)
-        check_position_ids(position_ids, embeds.size(0))
-        hidden = self.model(embeds, meta)
+        inputs, device = (input_ids, inputs_embeds, position_ids, labels), self.model.embeddings.weight.device
+        tokens, problem = validated_row_inputs(*inputs, vocab_size=self.lm_head.out_features)
+        # First: every rank got the same row and no rank's inputs failed, so nothing below raises on one rank alone.
+        meta = build_row_metadata(seq_lens, tokens, self.cp_topology, device, inputs=inputs, problem=problem)
+        hidden = self.model(embed_row(self.model.embeddings, input_ids, inputs_embeds), meta)
         return causal_lm_output(hidden, self.lm_head, labels, return_logits, loss_chunk_size)
 
     def decoder_layers(self) -> nn.ModuleList:

@@ -38,14 +38,14 @@ from cp_models.common import (
     build_row_metadata,
     causal_lm_output,
     check_checkpoint_keys,
-    check_position_ids,
     combine_expert_outputs,
     embed_row,
     read_safetensors,
-    row_tokens,
+    row_position_ids,
     strip_prefixes,
     swiglu_linear,
     unwrapped_names,
+    validated_row_inputs,
     write_safetensors,
 )
 
@@ -397,13 +397,12 @@ class Qwen35ForCausalLM(nn.Module):
         return_logits: bool | None = None,
         loss_chunk_size: int | None = None,
     ) -> CausalLMOutput:
-        tokens, device = row_tokens(input_ids, inputs_embeds), self.model.embed_tokens.weight.device
-        meta = build_row_metadata(seq_lens, tokens, self.cp_topology, device)  # first: it checks every rank's row
+        inputs, device = (input_ids, inputs_embeds, position_ids, labels), self.model.embed_tokens.weight.device
+        tokens, problem = validated_row_inputs(*inputs, vocab_size=self.lm_head.out_features)
+        # First: every rank got the same row and no rank's inputs failed, so nothing below raises on one rank alone.
+        meta = build_row_metadata(seq_lens, tokens, self.cp_topology, device, inputs=inputs, problem=problem)
         embeds = embed_row(self.model.embed_tokens, input_ids, inputs_embeds)
-        check_position_ids(position_ids, embeds.size(0))
-        if position_ids is None:
-            position_ids = meta.local_position_ids
-        hidden = self.model(embeds, position_ids.to(embeds.device), meta)
+        hidden = self.model(embeds, row_position_ids(position_ids, meta).to(embeds.device), meta)
         return causal_lm_output(hidden, self.lm_head, labels, return_logits, loss_chunk_size)
 
     def decoder_layers(self) -> nn.ModuleList:

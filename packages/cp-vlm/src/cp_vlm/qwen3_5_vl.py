@@ -50,6 +50,7 @@ from cp_models.common import (
     check_checkpoint_keys,
     read_safetensors,
     strip_prefixes,
+    tensor_shapes,
     unwrapped_names,
     write_safetensors,
 )
@@ -248,26 +249,35 @@ class Qwen35VLForConditionalGeneration(nn.Module):
     ) -> CausalLMOutput:
         """This rank's outputs for the whole packed row ``input_ids`` (see the class docstring)."""
         topology = self.cp_topology
-        # First: every rank got the same row (lengths, tokens, image grids), so every check below fails alike.
-        grids = [] if image_grid_thw is None else image_grid_thw.flatten().tolist()
-        row = (input_ids.numel(), *grids)
-        check_same_row_on_every_rank(seq_lens, topology, self.lm_head.weight.device, extra=row)
-        if input_ids.dim() == 2 and input_ids.size(0) == 1:
-            input_ids = input_ids[0]
-        seq_lens = [int(n) for n in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)]
-        positions = self.check_row(input_ids, seq_lens, pixel_values, image_grid_thw)
-        if position_ids is not None:
-            if position_ids.shape != positions.shape:
-                raise ContextParallelError(
-                    f"position_ids {tuple(position_ids.shape)} must be the whole row's [3, S] = {tuple(positions.shape)}"
-                )
-            positions = position_ids
-        if labels is not None:
-            labels = labels[0] if labels.dim() == 2 else labels
-            if labels.shape != input_ids.shape:
-                raise ContextParallelError(
-                    f"labels {tuple(labels.shape)} must be the whole row like input_ids {tuple(input_ids.shape)}"
-                )
+        try:  # this rank's own checks; what they raise stops every rank below, not this one alone
+            input_ids = input_ids[0] if input_ids.dim() == 2 and input_ids.size(0) == 1 else input_ids
+            seq_lens = [int(n) for n in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)]
+            positions = self.check_row(input_ids, seq_lens, pixel_values, image_grid_thw)
+            if position_ids is not None:
+                if position_ids.shape != positions.shape:
+                    raise ContextParallelError(
+                        f"position_ids {tuple(position_ids.shape)} must be the whole row's [3, S] = "
+                        f"{tuple(positions.shape)}"
+                    )
+                positions = position_ids
+            if labels is not None:
+                labels = labels[0] if labels.dim() == 2 and labels.size(0) == 1 else labels
+                if labels.shape != input_ids.shape:
+                    raise ContextParallelError(
+                        f"labels {tuple(labels.shape)} must be the whole row like input_ids {tuple(input_ids.shape)}"
+                    )
+                if labels.numel() and int(labels.max()) >= self.lm_head.out_features:
+                    raise ContextParallelError(
+                        f"label {int(labels.max())} is outside the vocabulary of {self.lm_head.out_features}"
+                    )
+            problem = None
+        except Exception as exc:
+            problem = exc
+        # First collective: every rank got the same row (lengths, shapes, image grids) and none failed its checks,
+        # so every check after it fails alike.
+        grids = image_grid_thw.flatten().tolist() if isinstance(image_grid_thw, torch.Tensor) else []
+        row = (*tensor_shapes(input_ids, pixel_values, labels, position_ids), *grids)
+        check_same_row_on_every_rank(seq_lens, topology, self.lm_head.weight.device, extra=row, problem=problem)
         start, end = topology.shard_range(input_ids.numel())
         device = self.lm_head.weight.device
         meta = build_packed_metadata(seq_lens, topology.rank, topology.size).to(device)
