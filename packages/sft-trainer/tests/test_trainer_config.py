@@ -180,7 +180,7 @@ INVALID = [
         ["unknown key 'optim'", "valid keys in the top level"],
     ),
     ("wrong_type_int", {"train": {"steps": "ten"}}, ["train.steps='ten'", "valid integer"]),
-    ("wrong_type_bool", ["--model.compile", "1"], ["model.compile=1", "valid boolean"]),
+    ("wrong_type_bool", ["--model.compile", "1"], ["model.compile=1", "must be true or false"]),
     ("wrong_type_str", {"model": {"path": 5}}, ["model.path=5", "valid string"]),
     (
         "bad_enum_cp_style",
@@ -469,7 +469,9 @@ def test_parallel_resolution():
         ConfigError, match=re.escape("parallel.dp=2 x parallel.cp=2 = 4 ranks, but the world size is 8")
     ):
         ParallelConfig(dp=2, cp=2).resolve_dp(8)
-    with pytest.raises(ConfigError, match=re.escape("parallel.cp=4 must divide the world size 6")):
+    with pytest.raises(
+        ConfigError, match=re.escape("parallel.cp=4 must divide the world size 6: start a multiple of 4")
+    ):
         ParallelConfig(dp=-1, cp=4).resolve_dp(6)
 
 
@@ -549,3 +551,48 @@ def test_unknown_model_config_name_lists_the_shipped_shapes():
         ConfigError, match=r"does not exist \(shipped model.config shapes: nemotron_h-nano-30b-a3b, qwen"
     ):
         load_config(None, ["--model.config", "qwen3_5-9b"])
+
+
+def test_a_key_that_needs_a_value_says_so():
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, ["--train.steps"])
+    assert "--train.steps needs a value: --train.steps VALUE (only true/false keys may stand alone)" in str(exc.value)
+    assert load_config(None, ["--model.activation_checkpointing"]).model.activation_checkpointing is True
+    with pytest.raises(ConfigError, match=r"parallel\.fsdp='no': must be true or false"):
+        load_config(None, ["--parallel.fsdp", "no"])
+
+
+def test_config_given_twice_or_without_a_file_is_refused():
+    from sft_trainer.plan import split_config_argument
+
+    assert split_config_argument(["--a", "1", "--config=x.toml", "--b"]) == ("x.toml", ["--a", "1", "--b"])
+    with pytest.raises(ConfigError, match=r"--config given twice \('tiny_cpu' and 'tiny_vl_cpu'\)"):
+        split_config_argument(["--config", "tiny_cpu", "--train.steps", "3", "--config=tiny_vl_cpu"])
+    for argv in (["--config"], ["--config", "--train.steps", "3"]):
+        with pytest.raises(ConfigError, match="--config needs a value"):
+            split_config_argument(argv)
+
+
+@pytest.mark.parametrize("command", [[], ["plan"]])
+def test_help_lists_every_key_with_its_default(capsys, command):
+    from sft_trainer.config import TrainConfig
+    from sft_trainer.run import main
+
+    main([*command, "--help"])
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: sft-train{' plan' if command else ''} [--config FILE.toml]")
+    assert "--data.seq_len (int, default 256)" in out
+    assert '--parallel.attention_cp ("ulysses"|"kv_gather"|"kv_ring"|"auto", default "ulysses")' in out
+    assert ("--gpu-memory-gib" in out) == bool(command)
+
+    def keys(cls, prefix=""):
+        for name, field in cls.model_fields.items():
+            sub = (
+                field.annotation
+                if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+                else None
+            )
+            yield from keys(sub, f"{prefix}{name}.") if sub else [f"{prefix}{name}"]
+
+    missing = [k for k in keys(TrainConfig) if f"  --{k} (" not in out]
+    assert not missing, missing

@@ -383,7 +383,7 @@ def test_build_training_rows_passes_the_image_processor(tokenizer, processor):
     rows, stats = build_training_rows(SimpleNamespace(data=data), tokenizer, image_processor=processor)
     assert stats.documents == 48 and len(rows) == stats.rows
     assert sum(len(r.image_grid_thw) for r in rows if r.image_grid_thw is not None) == len(list(IMAGES.glob("*.png")))
-    with pytest.raises(DataError, match=r"no image processor is set: set data\.processor"):
+    with pytest.raises(DataError, match=r"no image processor is set: train a Qwen3\.5-VL model"):
         build_training_rows(SimpleNamespace(data=data), tokenizer)
 
 
@@ -560,7 +560,7 @@ def test_templates_that_drop_or_miscount_images_are_refused(tmp_path, tokenizer,
 
 def test_images_need_a_processor_and_a_vl_tokenizer(tmp_path, tokenizer, processor):
     messages = conversation(image_path(0))
-    with pytest.raises(ValueError, match=r"1 image\(s\) but no image processor is set: set data\.processor"):
+    with pytest.raises(ValueError, match=r"1 image\(s\) but no image processor is set: train a Qwen3\.5-VL model"):
         tokenize_conversation(tokenizer, messages)
     data = _jsonl(tmp_path / "d.jsonl", messages)
     with pytest.raises(DataError, match=r"row 1: the conversation has 1 image\(s\) but no image processor"):

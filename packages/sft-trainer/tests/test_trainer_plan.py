@@ -320,9 +320,12 @@ def test_does_not_fit_suggests_the_ring(capsys):
     args = ("--data.seq_len", str(seq_len), "--parallel.cp", str(cp), "--model.activation_checkpointing", "true")
     message = _does_not_fit(capsys, *args, "--gpu-memory-gib", str(gpu), "--parallel.attention_cp", "kv_gather")
     assert f"set parallel.attention_cp = 'kv_ring' (then {need('kv_ring'):.1f} GiB)" in message, message
-    assert "kv_ring" not in _does_not_fit(
+    # Below the ring's estimate too: not the ring alone, but the ring with twice the ranks.
+    message = _does_not_fit(
         capsys, *args, "--gpu-memory-gib", str(round(need("kv_ring") - 1, 1)), "--parallel.attention_cp", "kv_gather"
     )
+    assert "set parallel.attention_cp = 'kv_ring' (then" not in message
+    assert "; set parallel.attention_cp = 'kv_ring' and raise parallel.cp to 128 (then" in message, message
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -711,7 +714,7 @@ def test_cli_prints_the_table(capsys):
     assert re.search(r"full_attention \(gated softmax attention\)\s+1\s+Ulysses all-to-all, KV heads x1", out)
     assert re.search(r"mlp \(SwiGLU MLP\)\s+4\s+local", out)
     assert "Memory per rank (GiB)" in out and "Longest data.seq_len that fits" in out
-    assert "attention_cp=ulysses (ulysses)" in out
+    assert "attention_cp=ulysses, FSDP2 over 2 ranks" in out  # the strategy is named only when "auto" chose it
     # 4 query heads: Ulysses (the default) cannot run cp 8; "auto" gathers the keys and values there.
     assert "not valid: Ulysses attention needs cp to divide the query heads: cp=8, q_heads=4" in out
     out = run_plan(capsys, "--config", "tiny_cpu", "--parallel.attention_cp", "auto")
@@ -723,7 +726,7 @@ def test_cli_prints_the_table(capsys):
     ring = plan.kv_ring_attention_bytes(
         256, 2, config.num_attention_heads, config.num_key_value_heads, config.head_dim, 4
     )
-    assert "attention_cp=kv_ring (kv_ring)" in out and "not valid" not in out
+    assert "attention_cp=kv_ring, FSDP2" in out and "not valid" not in out
     row = re.search(
         r"full_attention \(gated softmax attention\)\s+1\s+ring of K\|V blocks, query halves swapped\s+(\S+ \S+)", out
     )
@@ -946,3 +949,19 @@ def test_a_plan_that_cannot_be_built_does_not_stop_the_run(capsys, monkeypatch):
     assert (
         capsys.readouterr().out == "[sft-train] note: no memory estimate (KeyError: 'hidden_size'); starting anyway\n"
     )
+
+
+def test_does_not_fit_suggests_a_combination_when_no_single_change_fits(capsys):
+    """1M tokens of 0.8B on one rank: neither checkpointing nor more ranks alone fit, both together at cp 2 do."""
+    config = shipped("qwen3_5-0.8b")
+    message = _does_not_fit(capsys, "--data.seq_len", "1048576", "--parallel.cp", "1")
+
+    def need(cp, ckpt):
+        return plan.estimate_memory(config, 1048576, cp, activation_checkpointing=ckpt, fsdp_world=cp).needed / GIB
+
+    assert need(1, True) > plan.H200_GIB and need(2, False) > plan.H200_GIB >= need(2, True)
+    assert (
+        f"; enable model.activation_checkpointing and raise parallel.cp to 2 (then {need(2, True):.1f} GiB) / "
+        in message
+    )
+    assert "lower data.seq_len to" in message

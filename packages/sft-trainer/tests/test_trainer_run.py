@@ -4,6 +4,9 @@ export loads in transformers with the same logits."""
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -79,6 +82,33 @@ def test_resume_reproduces_losses(tmp_path):
     assert [m["step"] for m in resumed] == list(range(2, STEPS + 1))
     for a, b in zip([m["loss"] for m in metrics][1:], [m["loss"] for m in resumed], strict=True):
         assert a == pytest.approx(b, rel=1e-6, abs=0)
+    # A fresh run into the same folder sets the resumed run's outputs aside (nothing lost, nothing mixed) and
+    # trains from step 1: the uninterrupted run's losses.
+    again = _train(resumed_dir, "--parallel.cp", "2")
+    assert [m["step"] for m in again] == list(range(1, STEPS + 1))
+    for a, b in zip([m["loss"] for m in metrics], [m["loss"] for m in again], strict=True):
+        assert a == pytest.approx(b, rel=1e-6, abs=0)
+    assert (resumed_dir / "metrics.1.jsonl").read_text().count("\n") == STEPS - 1
+    assert sorted(p.name for p in (resumed_dir / "checkpoints.1").iterdir()) == ["latest", f"step-{STEPS:06d}"]
+    assert (resumed_dir / "checkpoints" / "latest").read_text() == f"step-{STEPS:06d}"
+
+
+def test_data_without_rows_stops_with_one_clean_line(tmp_path):
+    """A problem every worker meets alike (here: a data file with no conversation) ends the run with the field,
+    the value and the reason on one line, not a traceback per process."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    proc = subprocess.run(
+        [sys.executable, "-c", "from sft_trainer.run import main; main()", "--output_dir", str(tmp_path / "out"),
+         "--data.path", str(empty), "--data.seq_len", "128"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert f"sft-train: data.path={str(empty)!r}: no packed rows: nothing to train on (rows=0" in proc.stderr
+    assert "the data holds no conversation with any tokens" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert re.search(r"\nsft-train: stopped \(worker \d exited with code 1\)$", proc.stderr.rstrip()), proc.stderr
+    assert proc.stderr.count("no packed rows") == 1  # rank 0 says why; the other rank just stops
 
 
 def test_hf_export_loads_in_transformers(cp1_run):

@@ -391,7 +391,10 @@ class ParallelConfig(_Section):
     def resolve_dp(self, world_size: int) -> int:
         """The dp size for ``world_size`` ranks (resolving -1); raises ConfigError unless dp * cp == world_size."""
         if world_size % self.cp:
-            raise ConfigError(f"parallel.cp={self.cp} must divide the world size {world_size}")
+            raise ConfigError(
+                f"parallel.cp={self.cp} must divide the world size {world_size}: start a multiple of {self.cp} "
+                "processes (torchrun --nproc-per-node, or parallel.local_workers), or lower parallel.cp"
+            )
         dp = world_size // self.cp if self.dp == -1 else self.dp
         if dp * self.cp != world_size:
             raise ConfigError(
@@ -607,6 +610,8 @@ def _format_validation_error(exc: ValidationError) -> list[str]:
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "missing":
             msg = "required"
+        elif err["type"] in ("bool_type", "bool_parsing"):
+            msg = "must be true or false"
         merged.setdefault(key, [])
         if msg not in merged[key]:
             merged[key].append(msg)
@@ -620,6 +625,52 @@ def _format_validation_error(exc: ValidationError) -> list[str]:
         else:
             problems.append(f"{key}: {', or '.join(msgs)}")
     return problems
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Help
+
+
+def _type_name(annotation: Any) -> str:
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        return "|".join(json.dumps(a) if isinstance(a, str) else str(a) for a in typing.get_args(annotation))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return "null"
+    return getattr(annotation, "__name__", str(annotation)).replace("typing.", "")
+
+
+def config_help(command: str, about: str = "") -> str:
+    """The usage of ``command`` and every config key: its dotted name, type, default and description."""
+    shipped = ", ".join(sorted(p.stem for p in CONFIGS_DIR.glob("*.toml")))
+    lines = [
+        f"usage: {command} [--config FILE.toml] [--section.key VALUE ...]",
+        "",
+        *([about, ""] if about else []),
+        f"--config names a TOML file or a shipped config ({shipped}; default tiny_cpu). Every key below can be",
+        "set there or overridden here, as --section.key VALUE or --section.key=VALUE (TOML values: 3, 1e-4, true,",
+        "'text', [1, 2]); true/false keys may stand alone (--train.lora.enabled). The defaults shown are the",
+        "schema's; the config file's values replace them. Docs: docs/sft-trainer.md.",
+    ]
+
+    def walk(cls: type[BaseModel], prefix: str) -> None:
+        for name, field in cls.model_fields.items():
+            sub = _submodel(field.annotation)
+            key = f"{prefix}{name}"
+            if sub is not None:
+                lines.extend(["", f"[{key}] {field.description or ''}".rstrip()])
+                walk(sub, f"{key}.")
+                continue
+            default = field.get_default(call_default_factory=True)
+            shown = json.dumps(default) if isinstance(default, (str, list, bool)) or default is None else default
+            lines.append(f"  --{key} ({_type_name(field.annotation)}, default {shown})")
+            if field.description:
+                lines.append(f"      {field.description}")
+
+    walk(TrainConfig, "")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -649,7 +700,12 @@ def parse_overrides(overrides: Sequence[str]) -> list[tuple[str, str]]:
     ``--key VALUE`` and ``--key=VALUE`` both work; a ``--key`` followed by another ``--option`` (or nothing) means
     ``true``. Dashes in key names are read as underscores (``--train.grad-accum``).
     """
-    pairs: list[tuple[str, str]] = []
+    return [(key, value) for key, value, _bare in _parse_overrides_marked(overrides)]
+
+
+def _parse_overrides_marked(overrides: Sequence[str]) -> list[tuple[str, str, bool]]:
+    """:func:`parse_overrides`, each pair marked True when its key stood alone (read as ``true``)."""
+    pairs: list[tuple[str, str, bool]] = []
     tokens = list(overrides)
     i = 0
     while i < len(tokens):
@@ -657,6 +713,7 @@ def parse_overrides(overrides: Sequence[str]) -> list[tuple[str, str]]:
         if not token.startswith("--") or token == "--":
             raise ConfigError(f"unexpected argument {token!r}; overrides look like --section.key VALUE or --key=VALUE")
         body = token[2:]
+        bare = False
         if "=" in body:
             key, value = body.split("=", 1)
             i += 1
@@ -664,15 +721,15 @@ def parse_overrides(overrides: Sequence[str]) -> list[tuple[str, str]]:
             key, value = body, tokens[i + 1]
             i += 2
         else:
-            key, value = body, "true"
+            key, value, bare = body, "true", True
             i += 1
-        pairs.append((key.replace("-", "_"), value))
+        pairs.append((key.replace("-", "_"), value, bare))
     return pairs
 
 
 def _apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> list[str]:
     problems: list[str] = []
-    for key, raw in parse_overrides(overrides):
+    for key, raw, bare in _parse_overrides_marked(overrides):
         parts = key.split(".")
         if not all(parts):
             problems.append(f"bad override key {key!r}; write --section.key VALUE")
@@ -688,7 +745,9 @@ def _apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> list[str
             last = depth == len(parts) - 1
             if last:
                 value = _parse_value(raw, field.annotation)
-                if sub is not None and not isinstance(value, dict):
+                if bare and sub is None and bool not in _accepted_types(field.annotation):
+                    problems.append(f"--{key} needs a value: --{key} VALUE (only true/false keys may stand alone)")
+                elif sub is not None and not isinstance(value, dict):
                     problems.append(
                         f"'{key}' is a section, not a value; set one of its keys: {', '.join(sub.model_fields)}"
                     )

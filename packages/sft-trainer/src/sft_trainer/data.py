@@ -688,8 +688,9 @@ def tokenize_conversation(
     _refuse_placeholder_text(messages, tokens, ids)
     if images and image_processor is None:
         raise ValueError(
-            f"the conversation has {len(images)} image(s) but no image processor is set: set data.processor to the "
-            "processor folder (with preprocessor_config.json) or pass image_processor="
+            f"the conversation has {len(images)} image(s) but no image processor is set: train a Qwen3.5-VL model "
+            "(model.preset = 'tiny-qwen3_5-vl' or a VL checkpoint) with data.processor naming its processor folder "
+            "(with preprocessor_config.json); from Python, pass image_processor="
         )
     if images and "image_pad" not in ids:
         raise ValueError(
@@ -968,7 +969,15 @@ class PackedDataset(Dataset):
 
     def __init__(self, rows: Sequence[PackedRow], stats: PackStats, *, seq_len: int, seed: int = 0):
         if not rows:
-            raise DataError(f"no packed rows: nothing to train on ({stats.summary()})")
+            hint = ""
+            if stats.dropped:
+                hint = (
+                    f"; all {stats.dropped} document(s) were longer than data.seq_len={seq_len} and "
+                    "data.overlong='drop' dropped them: raise data.seq_len or set data.overlong='truncate'"
+                )
+            elif not stats.documents:
+                hint = "; the data holds no conversation with any tokens"
+            raise DataError(f"no packed rows: nothing to train on ({stats.summary()}){hint}")
         self.seq_len = seq_len
         self.seed = seed
         self.stats = stats

@@ -1237,6 +1237,8 @@ def _does_not_fit(text, cfg, dp, cp, gpu, chosen, memory_kwargs, longest, style,
         if m.needed <= gpu * GIB:
             fixes.append(f"raise parallel.cp to {cp_} (then {m.needed / GIB:.1f} GiB)")
             break
+    if not fixes:  # no single change fits: the smallest cp that fits with checkpointing and/or the ring
+        fixes.extend(_combined_fix(text, seq_len, cp, ckpt, gpu, memory_kwargs, style, attention_cp))
     best = longest[cp]["checkpointing" if ckpt else "no_checkpointing"]
     if best:
         fixes.append(f"lower data.seq_len to {best}")
@@ -1250,6 +1252,30 @@ def _does_not_fit(text, cfg, dp, cp, gpu, chosen, memory_kwargs, longest, style,
         f"data.seq_len={seq_len} at parallel.cp={cp} does not fit: needs {chosen.needed / GIB:.1f} GiB per rank, "
         f"the GPU has {gpu:.1f} GiB; " + " / ".join(fixes)
     )
+
+
+def _combined_fix(text, seq_len, cp, ckpt, gpu, memory_kwargs, style, attention_cp) -> list[str]:
+    """The first layout that fits when no single change does: the smallest cp (this one or more) with activation
+    checkpointing and/or ring attention, fewest changes first; [] if none up to cp 256."""
+    for cp_ in range(cp, 257):
+        if seq_len % cp_ or seq_len < _min_seq_len(text, cp_, style):
+            continue
+        options = [
+            (ckpt_, attention) for ckpt_ in dict.fromkeys((ckpt, True)) for attention in (attention_cp, "kv_ring")
+        ]
+        for ckpt_, attention in sorted(options, key=lambda o: (o[0] != ckpt) + (o[1] != attention_cp)):
+            changes = [
+                *(["enable model.activation_checkpointing"] if ckpt_ != ckpt else []),
+                *([f"set parallel.attention_cp = '{attention}'"] if attention != attention_cp else []),
+                *([f"raise parallel.cp to {cp_}"] if cp_ != cp else []),
+            ]
+            if len(changes) < 2 or valid_cp(text, cp_, style, attention):
+                continue  # single changes were tried already
+            kwargs = {**memory_kwargs(cp_, ckpt_), "attention_cp": attention}
+            needed = estimate_memory(text, seq_len, cp_, **kwargs).needed
+            if needed <= gpu * GIB:
+                return [" and ".join(changes) + f" (then {needed / GIB:.1f} GiB)"]
+    return []
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1272,11 +1298,12 @@ def format_plan(plan: Mapping[str, Any]) -> str:
     params = f"{m['parameters'] / 1e9:.3f}B parameters" if m["parameters"] >= 1e8 else f"{m['parameters']:,} parameters"
     trainable = f", {m['trainable_parameters']:,} trainable (LoRA)" if r["lora"] else ""
     out.append(f"sft-train plan: {m['source']} ({m['model_type']}), {params}{trainable}, {r['dtype']}")
-    layout = f"FSDP2 over {r['fsdp_world']} ranks" if r["fsdp"] else "full replica per rank"
+    ranks = f"{r['fsdp_world']} rank{'s' if r['fsdp_world'] != 1 else ''}"
+    layout = f"FSDP2 over {ranks}" if r["fsdp"] else "full replica per rank"
     out.append(
         f"  data.seq_len={r['seq_len']}, parallel.cp={r['cp']} ({r['local_tokens']} tokens a rank), dp={r['dp']}, "
         f"cp_style={r['cp_style']}, attention_cp={r['attention_cp']}"
-        + (f" ({r['attention_strategy']})" if r["attention_strategy"] else "")
+        + (f" ({r['attention_strategy']})" if r["attention_strategy"] not in (None, r["attention_cp"]) else "")
         + f", {layout}, activation checkpointing {'on' if r['activation_checkpointing'] else 'off'}"
     )
     out.append("")
@@ -1349,16 +1376,35 @@ def format_plan(plan: Mapping[str, Any]) -> str:
 
 def split_config_argument(argv: Sequence[str]) -> tuple[str | None, list[str]]:
     """``--config FILE`` (or ``--config=FILE``), anywhere among the overrides -> (FILE or None, the overrides)."""
-    argv = list(argv)
-    for i, token in enumerate(argv):
-        if token == "--config" and i + 1 < len(argv):
-            return argv[i + 1], argv[:i] + argv[i + 2 :]
-        if token.startswith("--config="):
-            return token.split("=", 1)[1], argv[:i] + argv[i + 1 :]
-    return None, argv
+    from sft_trainer.config import ConfigError
+
+    path, rest, argv = None, [], list(argv)
+    i = 0
+    while i < len(argv):
+        token, found = argv[i], None
+        if token == "--config":
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise ConfigError("--config needs a value: --config FILE.toml (or a shipped config's name)")
+            found, i = argv[i + 1], i + 2
+        elif token.startswith("--config="):
+            found, i = token.split("=", 1)[1], i + 1
+        else:
+            rest.append(token)
+            i += 1
+        if found is not None:
+            if path is not None:
+                raise ConfigError(f"--config given twice ({path!r} and {found!r}); give one file, then overrides")
+            path = found
+    return path, rest
 
 
 _PLAN_OPTIONS = {"--nvlink-gbps": float, "--gpu-memory-gib": float}
+PLAN_USAGE = (
+    "Prints the run's CP strategy per layer type, bytes per step, memory per rank and the longest row that fits,\n"
+    "from the config alone (nothing is built), and exits nonzero naming the reason when the run cannot work.\n"
+    "Options besides the config keys: --json (machine-readable), --nvlink-gbps X (default 450, the bandwidth the\n"
+    "communication time assumes), --gpu-memory-gib Y (default: this machine's GPU, else an H200's 139.8)."
+)
 
 
 def _split_plan_options(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
@@ -1395,9 +1441,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     naming the reason when the config is invalid or does not fit the GPU. Returns the plan dict."""
     from sft_trainer.config import ConfigError, load_config
 
-    options, rest = _split_plan_options(sys.argv[1:] if argv is None else argv)
-    path, overrides = split_config_argument(rest)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help", "help"):
+        from sft_trainer.config import config_help
+
+        print(config_help("sft-train plan", PLAN_USAGE))
+        return {}
+    options, rest = _split_plan_options(argv)
     try:
+        path, overrides = split_config_argument(rest)
         cfg = load_config(path, overrides)
         plan = build_plan(
             cfg, gpu_memory_gib=options.get("gpu_memory_gib"), nvlink_gbps=options.get("nvlink_gbps", NVLINK_GBPS)

@@ -8,7 +8,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,10 @@ def launch(cfg) -> None:
     dp, cp = world_layout(cfg)
     world = dp * cp
     port = _free_port()
-    mp.spawn(_spawned, args=(cfg, world, port), nprocs=world, join=True)
+    try:
+        mp.spawn(_spawned, args=(cfg, world, port), nprocs=world, join=True)
+    except mp.ProcessExitedException as exc:  # a worker stopped with a message (printed above), not a traceback
+        raise SystemExit(f"sft-train: stopped (worker {exc.error_index} exited with code {exc.exit_code})") from None
 
 
 def _spawned(rank: int, cfg, world: int, port: int) -> None:
@@ -160,11 +163,16 @@ def _memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def _stop(rank: int, message: str) -> NoReturn:
+    """End this worker over a user-facing problem every rank meets alike: one clean line from rank 0, no traceback."""
+    raise SystemExit(f"sft-train: {message}" if rank == 0 else 1) from None
+
+
 def worker(cfg) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoTokenizer
 
-    from sft_trainer.data import build_training_rows
+    from sft_trainer.data import DataError, build_training_rows
 
     device, backend = _device_and_backend(cfg)
     dp, cp = world_layout(cfg)
@@ -175,7 +183,10 @@ def worker(cfg) -> dict[str, Any]:
         topology = CPTopology.from_mesh(mesh, "cp")
         dp_group = mesh.get_group("dp")
         world_group = dist.group.WORLD
-        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
+        except Exception as exc:
+            _stop(rank, f"data.tokenizer={str(cfg.tokenizer_path)!r} does not load: {type(exc).__name__}: {exc}")
         image_processor = None
         if cfg.vision_language and cfg.processor_path:
             from sft_trainer.data import load_image_processor
@@ -190,13 +201,21 @@ def worker(cfg) -> dict[str, Any]:
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: lr_lambda(s, warmup, steps, cfg.train.decay, cfg.train.min_lr_ratio)
         )
-        rows, data_stats = build_training_rows(cfg, tokenizer, image_processor=image_processor, group=topology.group)
+        try:
+            rows, data_stats = build_training_rows(
+                cfg, tokenizer, image_processor=image_processor, group=topology.group
+            )
+        except DataError as exc:
+            _stop(rank, f"data.path={str(cfg.data_path)!r}: {exc}")
         my_rows = rows[mesh.get_local_rank("dp") :: dp]
         if not my_rows:
             raise SystemExit(f"no packed rows for dp rank {mesh.get_local_rank('dp')} ({len(rows)} rows for dp={dp})")
         out_dir = Path(cfg.output_dir)
         ckpt_dir = cfg.checkpoint_dir
-        start_step = maybe_resume(cfg, ckpt_dir, model, optimizer, scheduler)
+        start_step = maybe_resume(cfg, model, optimizer, scheduler)
+        if start_step == 0 and rank == 0:
+            set_aside_previous_run(cfg)
+        dist.barrier()  # nobody writes into the run folder before it is cleared
         metrics = MetricsWriter(cfg.metrics_path if rank == 0 else None, fresh=start_step == 0)
         wandb_run = start_wandb(cfg) if rank == 0 else None
         metrics.wandb_run = wandb_run
@@ -310,17 +329,53 @@ def save_checkpoint(ckpt_dir: Path, step: int, model, optimizer, scheduler) -> N
         (ckpt_dir / "latest").write_text(path.name)
 
 
-def maybe_resume(cfg, ckpt_dir: Path, model, optimizer, scheduler) -> int:
+def resume_checkpoint(cfg) -> Path | None:
+    """The checkpoint this run continues from: ``checkpoint.resume`` as a path, or with true the latest under
+    ``checkpoint_dir``; None for a fresh start (also true with no checkpoint yet)."""
     resume = cfg.checkpoint.resume
     if not resume:
-        return 0
+        return None
     if isinstance(resume, str) and resume not in ("true", "latest"):
-        path = Path(resume)
-    else:
-        latest = ckpt_dir / "latest"
-        if not latest.exists():
-            return 0
-        path = ckpt_dir / latest.read_text().strip()
+        return Path(resume)
+    latest = cfg.checkpoint_dir / "latest"
+    return cfg.checkpoint_dir / latest.read_text().strip() if latest.exists() else None
+
+
+def check_resume(cfg, world: int) -> list[str]:
+    """Why the checkpoint to resume from cannot continue this run (empty: it can, or the run starts fresh): it must
+    be an sft-train checkpoint, written by as many ranks as this run has (each holds its rank's data position and
+    random state), and at a step below ``train.steps``."""
+    path = resume_checkpoint(cfg)
+    if path is None:
+        return []
+    if not (path / "extra-rank0.pt").is_file():
+        return [f"checkpoint.resume: {path} is not an sft-train checkpoint (no extra-rank0.pt in it)"]
+    problems = []
+    ranks = len(list(path.glob("extra-rank*.pt")))
+    if ranks != world:
+        problems.append(
+            f"checkpoint.resume: {path} was written by {ranks} rank(s) and this run has {world} (dp x cp); resume "
+            "with the layout that wrote it, or start fresh (checkpoint.resume = false)"
+        )
+    step = int(torch.load(path / "extra-rank0.pt", weights_only=False)["step"])
+    if step >= cfg.train.steps:
+        problems.append(
+            f"checkpoint.resume: {path} is at step {step} and train.steps={cfg.train.steps}: nothing is left to "
+            "train; raise train.steps to continue it"
+        )
+    return problems
+
+
+def maybe_resume(cfg, model, optimizer, scheduler) -> int:
+    """Load the checkpoint :func:`resume_checkpoint` names into the model, optimizer, scheduler and RNG; returns
+    its step (0: a fresh start)."""
+    path = resume_checkpoint(cfg)
+    if path is None:
+        if cfg.checkpoint.resume and dist.get_rank() == 0:
+            print(
+                f"[sft-train] checkpoint.resume: no checkpoint in {cfg.checkpoint_dir} yet; starting fresh", flush=True
+            )
+        return 0
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -334,6 +389,36 @@ def maybe_resume(cfg, ckpt_dir: Path, model, optimizer, scheduler) -> int:
     if dist.get_rank() == 0:
         print(f"[sft-train] resumed from {path} at step {extra['step']}", flush=True)
     return int(extra["step"])
+
+
+def set_aside_previous_run(cfg) -> list[tuple[Path, Path]]:
+    """A fresh run whose folders hold an earlier run's checkpoints, metrics or HF export moves them aside, to
+    ``checkpoints.1``, ``metrics.1.jsonl``, ``hf.1`` (the first free number), so that nothing is lost and the runs
+    never mix (an old ``step-000040`` beside the new run's ``latest``). Returns the moves made."""
+    found = [
+        p
+        for p in (cfg.checkpoint_dir, cfg.metrics_path, Path(cfg.output_dir) / "hf")
+        if (p.is_dir() and any(p.iterdir())) or (p.is_file() and p.stat().st_size)
+    ]
+    if not found:
+        return []
+
+    def aside(path: Path, n: int) -> Path:
+        return path.with_name(f"{path.stem}.{n}{path.suffix}")
+
+    n = 1
+    while any(aside(p, n).exists() for p in found):
+        n += 1
+    moves = [(p, aside(p, n)) for p in found]
+    for old, new in moves:
+        old.rename(new)
+    listed = ", ".join(f"{old} -> {new.name}" for old, new in moves)
+    print(
+        f"[sft-train] an earlier run's outputs were here; moved aside: {listed} (checkpoint.resume = true continues "
+        "a run instead)",
+        flush=True,
+    )
+    return moves
 
 
 def start_wandb(cfg):
@@ -367,12 +452,20 @@ def main(argv: list[str] | None = None) -> None:
 
         plan_main(argv[1:])
         return
-    path, argv = split_config_argument(argv)  # --config FILE (or --config=FILE), anywhere among the overrides
+    if argv and argv[0] in ("-h", "--help", "help"):
+        from sft_trainer.config import config_help
+
+        print(config_help("sft-train"))
+        return
     try:
+        path, argv = split_config_argument(argv)  # --config FILE (or --config=FILE), anywhere among the overrides
         cfg = load_config(path, argv)
-        world_layout(cfg)  # the process layout must fit before anything starts
+        dp, cp = world_layout(cfg)  # the process layout must fit before anything starts
     except ConfigError as exc:
         raise SystemExit(f"sft-train: invalid configuration:\n{exc}") from None
+    problems = check_resume(cfg, dp * cp)
+    if problems:
+        raise SystemExit("sft-train: cannot resume:\n" + "\n".join(f"  - {p}" for p in problems))
     if _device_and_backend_names(cfg)[0] == "cuda" and os.environ.get("RANK", "0") == "0":
         warn_when_plan_does_not_fit(cfg)
     launch(cfg)

@@ -1,0 +1,68 @@
+"""What a run does with the folders of earlier runs: resuming checks, and a fresh run setting old outputs aside."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from sft_trainer.config import load_config
+from sft_trainer.run import check_resume, main, resume_checkpoint, set_aside_previous_run
+
+
+def fake_checkpoint(folder: Path, step: int, ranks: int) -> Path:
+    """The per-rank files of an sft-train checkpoint at ``step`` written by ``ranks`` ranks (no weights needed)."""
+    path = folder / f"step-{step:06d}"
+    path.mkdir(parents=True)
+    for rank in range(ranks):
+        torch.save({"step": step, "scheduler": {}, "rng": None}, path / f"extra-rank{rank}.pt")
+    (folder / "latest").write_text(path.name)
+    return path
+
+
+def test_resume_checks_name_the_step_the_layout_and_a_foreign_folder(tmp_path):
+    ckpt = fake_checkpoint(tmp_path / "out" / "checkpoints", step=14, ranks=2)
+    cfg = load_config(None, ["--output_dir", str(tmp_path / "out"), "--checkpoint.resume", "true"])
+    assert resume_checkpoint(cfg) == ckpt
+    assert cfg.train.steps > 14 and check_resume(cfg, world=2) == []  # a checkpoint this run can continue
+    cfg = load_config(None, ["--output_dir", str(tmp_path / "out"), "--checkpoint.resume", "true", "--train.steps", "5",
+                             "--train.warmup_steps", "1"])  # fmt: skip
+    assert check_resume(cfg, world=4) == [
+        f"checkpoint.resume: {ckpt} was written by 2 rank(s) and this run has 4 (dp x cp); resume with the layout "
+        "that wrote it, or start fresh (checkpoint.resume = false)",
+        f"checkpoint.resume: {ckpt} is at step 14 and train.steps=5: nothing is left to train; raise train.steps to "
+        "continue it",
+    ]
+    with pytest.raises(SystemExit, match=r"sft-train: cannot resume:\n  - checkpoint\.resume: .* is at step 14"):
+        main(["--output_dir", str(tmp_path / "out"), "--checkpoint.resume", "true", "--train.steps", "14"])
+    other = tmp_path / "other"
+    other.mkdir()
+    cfg = load_config(None, ["--checkpoint.resume", str(other)])
+    assert check_resume(cfg, world=2) == [
+        f"checkpoint.resume: {other} is not an sft-train checkpoint (no extra-rank0.pt in it)"
+    ]
+    # true with no checkpoint yet: a fresh start, nothing to check
+    cfg = load_config(None, ["--output_dir", str(tmp_path / "empty"), "--checkpoint.resume", "true"])
+    assert resume_checkpoint(cfg) is None and check_resume(cfg, world=2) == []
+
+
+def test_a_fresh_run_sets_an_earlier_run_aside(tmp_path, capsys):
+    out = tmp_path / "out"
+    cfg = load_config(None, ["--output_dir", str(out)])
+    assert set_aside_previous_run(cfg) == []  # nothing there yet
+    (out / "hf").mkdir(parents=True)
+    (out / "hf" / "config.json").write_text("{}")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    fake_checkpoint(out / "checkpoints", step=40, ranks=2)
+    (out / "notes.txt").write_text("mine")  # not a run output: stays
+    moves = set_aside_previous_run(cfg)
+    assert sorted(new.name for _, new in moves) == ["checkpoints.1", "hf.1", "metrics.1.jsonl"]
+    assert (out / "checkpoints.1" / "step-000040" / "extra-rank1.pt").is_file()
+    assert (out / "metrics.1.jsonl").read_text() == '{"step": 1}\n' and (out / "hf.1" / "config.json").is_file()
+    assert not (out / "checkpoints").exists() and (out / "notes.txt").read_text() == "mine"
+    assert "an earlier run's outputs were here; moved aside" in capsys.readouterr().out
+    # the next one takes the next free number; empty leftovers are not a run
+    (out / "metrics.jsonl").write_text('{"step": 2}\n')
+    (out / "checkpoints").mkdir()
+    assert [new.name for _, new in set_aside_previous_run(cfg)] == ["metrics.2.jsonl"]
