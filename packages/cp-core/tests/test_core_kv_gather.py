@@ -379,3 +379,27 @@ def test_kv_gather_parity_odd_cp_and_odd_shards(workers):
                     workers, case, seq_lens=seq_lens, inputs=inputs, seq_dims={"q": 0, "k": 0, "v": 0}, seed=seed
                 )
                 report.assert_close(rtol=1e-5)
+
+
+def _frozen_keys_case(module, metadata, topology, q, k, v, *, ring: bool = False):
+    """Only the queries train (keys and values frozen, e.g. LoRA on q_proj alone)."""
+    return kv_attention_case(module, metadata, topology, q, k.detach(), v.detach(), ring=ring)
+
+
+@pytest.mark.parametrize(
+    ("workers", "seq_lens"), [(3, [15]), (4, [3, 14, 2, 1])], indirect=["workers"], ids=["cp3", "cp4"]
+)
+@pytest.mark.parametrize("ring", [False, True], ids=["gather", "ring"])
+def test_frozen_keys_and_values_train_the_queries(workers, seq_lens, ring):
+    """With frozen keys and values, ranks that swap query halves run the gather's backward for the swapped queries'
+    gradient while the others run none: no rank may then wait in the keys' reduce-scatter (it hung before), and
+    dq equals the unsharded run's."""
+    cp = workers.world_size
+    assert {balanced_stretches(build_packed_metadata(seq_lens, r, cp))[1] is None for r in range(cp)} == {True, False}
+    total = sum(seq_lens)
+    inputs = {"q": randn(total, 4, HEAD_DIM, seed=1), "k": randn(total, 2, HEAD_DIM, seed=2),
+              "v": randn(total, 2, HEAD_DIM, seed=3)}  # fmt: skip
+    case = functools.partial(_frozen_keys_case, ring=ring)
+    report = check_cp_parity(workers, case, seq_lens=seq_lens, inputs=inputs, seq_dims={"q": 0, "k": 0, "v": 0})
+    assert "grad.q" in report.relative and "grad.k" not in report.relative
+    report.assert_close(rtol=1e-5)

@@ -54,6 +54,7 @@ class _GatherKeysValues(torch.autograd.Function):
         ctx.topology, ctx.ranges, ctx.partner, ctx.local_len = topology, ranges, partner, k.size(0)
         ctx.set_materialize_grads(False)  # an unused head's gradient stays None rather than a zero tensor
         ctx.heads, ctx.dims = k.size(1), (k.size(2), v.size(2))
+        ctx.kv_dtypes, ctx.device = (k.dtype, v.dtype), k.device
         fused = k.size(2) == v.size(2) and k.dtype == v.dtype
         rows = [all_gather_rows(torch.cat([k, v], dim=1), topology)] if fused else [
             all_gather_rows(k, topology), all_gather_rows(v, topology)
@@ -77,13 +78,20 @@ class _GatherKeysValues(torch.autograd.Function):
             if grad_received is None:  # the partner still waits for a gradient
                 grad_received = torch.zeros_like(ctx.q_like)
             grad_q_send = exchange_p2p(grad_received, grad_received.shape, ctx.partner, ctx.partner, topology)
-        per_range = 2 * ctx.heads
-        like = next(g for g in grads if g is not None)
+        if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+            # Frozen keys and values (e.g. LoRA on q_proj only): the same on every rank, so no rank joins the
+            # reduce-scatter; a rank runs this backward only for its swapped queries' gradient.
+            return None, None, grad_q_send, None, None, None
         size = topology.size * ctx.local_len
+        zeros = dict(device=ctx.device)
         if ctx.fused:
-            buffers = [like.new_zeros((size, per_range, like.size(2)))]
+            buffers = [torch.zeros((size, 2 * ctx.heads, ctx.dims[0]), dtype=ctx.kv_dtypes[0], **zeros)]
         else:
-            buffers = [like.new_zeros((size, ctx.heads, dim)) for dim in ctx.dims]
+            buffers = [
+                torch.zeros((size, ctx.heads, d), dtype=t, **zeros)
+                for d, t in zip(ctx.dims, ctx.kv_dtypes, strict=True)
+            ]
+        per_range = 2 * ctx.heads
         for index, grad in enumerate(grads):
             if grad is None:
                 continue
