@@ -550,6 +550,10 @@ def bad_row_input(what: str, model: torch.nn.Module, ids: torch.Tensor) -> dict:
     if what == "embeds_batch":
         embeds = model.model.embed_tokens(ids).detach()
         return {"input_ids": None, "inputs_embeds": torch.stack([embeds, embeds])}
+    if what == "ids_value":  # a token past the vocabulary: an index error (a device assert on CUDA) on this rank
+        return {"input_ids": torch.cat([ids[:-1], torch.tensor([vocab + 5])])}
+    if what == "ids_dtype":
+        return {"input_ids": ids.float()}
     assert what == "ids_type", what
     return {"input_ids": ids.tolist()}
 
@@ -560,6 +564,8 @@ BAD_ROW_INPUTS = {  # kind -> what the rank given it says
     "label_value": f"label {VOCAB} is outside the vocabulary of {VOCAB}",
     "embeds_batch": "inputs_embeds has batch size 2",
     "ids_type": "'list' object has no attribute",
+    "ids_value": f"input_ids holds token {VOCAB + 5}, outside the vocabulary [0, {VOCAB})",
+    "ids_dtype": "input_ids must hold integer token ids, got dtype torch.float32",
 }
 
 
@@ -570,7 +576,8 @@ def test_one_rank_with_a_bad_input_stops_every_rank(workers):
     instead of waiting for it in the next collective; the group stays in step."""
     cp = workers.world_size
     for failing, what in (((cp - 1,), "position_ids"), ((0,), "labels"), ((cp - 1,), "label_value"),
-                          ((1,), "embeds_batch"), ((0, cp - 1), "ids_type")):  # fmt: skip
+                          ((1,), "embeds_batch"), ((0, cp - 1), "ids_type"), ((cp - 1,), "ids_value"),
+                          ((0,), "ids_dtype")):  # fmt: skip
         workers.assert_failing_ranks_stop_every_rank(
             _forward_with_bad_input, failing, what, failing=failing, says=BAD_ROW_INPUTS[what]
         )

@@ -675,6 +675,12 @@ def test_other_bad_forward_arguments_raise(small_model):
     vocab = small_model.config.vocab_size
     with pytest.raises(ContextParallelError, match=f"label {vocab} is outside the vocabulary of {vocab}"):
         small_model(ids, [8], labels=torch.full((8,), vocab))
+    with pytest.raises(ContextParallelError, match=r"input_ids holds token 96, outside the vocabulary \[0, 96\)"):
+        small_model(torch.cat([ids[:-1], torch.tensor([96])]), [8])
+    with pytest.raises(ContextParallelError, match=r"labels must hold integer token ids, got dtype torch\.float32"):
+        small_model(ids, [8], labels=ids.float())
+    with pytest.raises(ContextParallelError, match=r"position_ids \(2, 8\) must be \[T\], \[1, T\] or \[3, T\]"):
+        small_model(ids, [8], position_ids=torch.arange(8).expand(2, -1))
     # lengths that do not cover the tokens held: named as such, not as a padding problem
     with pytest.raises(ContextParallelError, match="seq_lens sum to 9 tokens but this rank holds 8"):
         small_model(ids, [4, 5])

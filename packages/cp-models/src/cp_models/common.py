@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,7 +133,7 @@ def build_row_metadata(
     if problem is None:
         try:
             check_divisible(sum(normalize_seq_lens(seq_lens)), topology.size)
-        except ContextParallelError as exc:  # shards of unequal size: the padding advice, not "other shapes"
+        except Exception as exc:  # shards of unequal size (the padding advice, not "other shapes"), or no lengths
             problem = exc
     extra = (local_len, *tensor_shapes(*inputs))
     check_same_row_on_every_rank(seq_lens, topology, device, extra=extra, problem=problem)
@@ -151,8 +152,30 @@ def tensor_shapes(*tensors: torch.Tensor | None) -> tuple[int, ...]:
     across ranks."""
     out: list[int] = []
     for t in tensors:
-        out.extend((t.dim(), *t.shape) if isinstance(t, torch.Tensor) else (-1,))
+        if isinstance(t, torch.Tensor):  # dtype and device type by a stable code (str hashes differ per process)
+            out.extend((t.dim(), *t.shape, zlib.crc32(f"{t.dtype} {t.device.type}".encode())))
+        else:
+            out.append(-1)
     return tuple(out)
+
+
+def check_token_values(input_ids: torch.Tensor | None, labels: torch.Tensor | None, vocab_size: int | None) -> None:
+    """Integer ``input_ids`` in ``[0, vocab_size)`` and integer ``labels`` below it (negative: ignored), read with
+    one host sync; raises :class:`ContextParallelError` naming the value."""
+    for name, t in (("input_ids", input_ids), ("labels", labels)):
+        if t is not None and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+            raise ContextParallelError(f"{name} must hold integer token ids, got dtype {t.dtype}")
+    present = [t for t in (input_ids, labels) if t is not None and t.numel()]
+    if vocab_size is None or not present:
+        return
+    bounds = torch.stack([b for t in present for b in (t.min(), t.max())]).tolist()  # one sync
+    if input_ids is not None and input_ids.numel():
+        low, high = bounds[:2]
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            raise ContextParallelError(f"input_ids holds token {bad}, outside the vocabulary [0, {vocab_size})")
+    if labels is not None and labels.numel() and bounds[-1] >= vocab_size:
+        raise ContextParallelError(f"label {bounds[-1]} is outside the vocabulary of {vocab_size}")
 
 
 def _one_row(name: str, x: torch.Tensor, dims: int) -> torch.Tensor:
@@ -185,7 +208,11 @@ def check_row_inputs(
         tokens = _one_row("input_ids", input_ids, 1).size(0)
     else:
         tokens = _one_row("inputs_embeds", inputs_embeds, 2).size(0)
-    if position_ids is not None and (position_ids.dim() not in (1, 2) or position_ids.size(-1) != tokens):
+    if position_ids is not None and (
+        position_ids.dim() not in (1, 2)
+        or position_ids.size(-1) != tokens
+        or (position_ids.dim() == 2 and position_ids.size(0) not in (1, 3))
+    ):
         raise ContextParallelError(
             f"position_ids {tuple(position_ids.shape)} must be [T], [1, T] or [3, T] with this rank's T = {tokens}"
         )
@@ -193,8 +220,7 @@ def check_row_inputs(
         labels = _one_row("labels", labels, 1)
         if labels.size(0) != tokens:
             raise ContextParallelError(f"labels {tuple(labels.shape)} must have this rank's {tokens} tokens")
-        if vocab_size is not None and labels.numel() and int(labels.max()) >= vocab_size:
-            raise ContextParallelError(f"label {int(labels.max())} is outside the vocabulary of {vocab_size}")
+    check_token_values(input_ids, labels, vocab_size)
     return tokens
 
 

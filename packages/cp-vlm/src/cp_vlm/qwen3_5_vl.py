@@ -48,6 +48,7 @@ from cp_models.common import (
     CausalLMOutput,
     causal_lm_output,
     check_checkpoint_keys,
+    check_token_values,
     read_safetensors,
     strip_prefixes,
     tensor_shapes,
@@ -266,10 +267,7 @@ class Qwen35VLForConditionalGeneration(nn.Module):
                     raise ContextParallelError(
                         f"labels {tuple(labels.shape)} must be the whole row like input_ids {tuple(input_ids.shape)}"
                     )
-                if labels.numel() and int(labels.max()) >= self.lm_head.out_features:
-                    raise ContextParallelError(
-                        f"label {int(labels.max())} is outside the vocabulary of {self.lm_head.out_features}"
-                    )
+            check_token_values(input_ids, labels, self.lm_head.out_features)
             problem = None
         except Exception as exc:
             problem = exc
