@@ -578,8 +578,12 @@ def test_help_lists_every_key_with_its_default(capsys, command):
     from sft_trainer.config import TrainConfig
     from sft_trainer.run import main
 
-    main([*command, "--help"])
+    main([*command, "--config", "tiny_cpu", "--help"])  # anywhere on the line
     out = capsys.readouterr().out
+    # a section's own keys come before its subsections, so none sits under another's header
+    assert out.index("--output_dir (") < out.index("[model]")
+    assert out.index("--logging.progress_bar") < out.index("[logging.wandb]")
+    assert "--train.betas (tuple, default [0.9, 0.95])" in out and ("sft-train plan --help" in out) != bool(command)
     assert out.startswith(f"usage: sft-train{' plan' if command else ''} [--config FILE.toml]")
     assert "--data.seq_len (int, default 256)" in out
     assert '--parallel.attention_cp ("ulysses"|"kv_gather"|"kv_ring"|"auto", default "ulysses")' in out

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from sft_trainer.config import load_config
+from sft_trainer.config import load_config, tiny_qwen35_config
 from sft_trainer.run import check_resume, main, resume_checkpoint, set_aside_previous_run
 
 
@@ -31,11 +32,15 @@ def test_resume_checks_name_the_step_the_layout_and_a_foreign_folder(tmp_path):
     assert check_resume(cfg, world=4) == [
         f"checkpoint.resume: {ckpt} was written by 2 rank(s) and this run has 4 (dp x cp); resume with the layout "
         "that wrote it, or start fresh (checkpoint.resume = false)",
-        f"checkpoint.resume: {ckpt} is at step 14 and train.steps=5: nothing is left to train; raise train.steps to "
-        "continue it",
+        f"checkpoint.resume: {ckpt} is at step 14, past train.steps=5; raise train.steps to continue it",
     ]
     with pytest.raises(SystemExit, match=r"sft-train: cannot resume:\n  - checkpoint\.resume: .* is at step 14"):
-        main(["--output_dir", str(tmp_path / "out"), "--checkpoint.resume", "true", "--train.steps", "14"])
+        main(["--output_dir", str(tmp_path / "out"), "--checkpoint.resume", "latest", "--train.steps", "13"])
+    # a finished run (step == train.steps) may be resumed: it saves and exports again
+    cfg = load_config(
+        None, ["--output_dir", str(tmp_path / "out"), "--checkpoint.resume", "true", "--train.steps", "14"]
+    )
+    assert check_resume(cfg, world=2) == []
     other = tmp_path / "other"
     other.mkdir()
     cfg = load_config(None, ["--checkpoint.resume", str(other)])
@@ -62,6 +67,16 @@ def test_a_fresh_run_sets_an_earlier_run_aside(tmp_path, capsys):
     assert (out / "metrics.1.jsonl").read_text() == '{"step": 1}\n' and (out / "hf.1" / "config.json").is_file()
     assert not (out / "checkpoints").exists() and (out / "notes.txt").read_text() == "mine"
     assert "an earlier run's outputs were here; moved aside" in capsys.readouterr().out
+    # nested or shared folders: only the outermost moves, never the run folder itself or what the run reads
+    (out / "hf.1" / "config.json").write_text(json.dumps(tiny_qwen35_config().to_dict()))
+    nested = load_config(None, ["--output_dir", str(out), "--checkpoint.dir", str(out), "--logging.metrics_file",
+                                str(out / "checkpoints.1" / "m.jsonl"), "--model.config", str(out / "hf.1")])  # fmt: skip
+    (out / "checkpoints.1" / "m.jsonl").write_text("{}\n")
+    (out / "hf").mkdir()
+    (out / "hf" / "x").write_text("x")
+    moves = [(old.name, new.name) for old, new in set_aside_previous_run(nested)]
+    assert moves == [("m.jsonl", "m.2.jsonl"), ("hf", "hf.2")]  # not out itself (the checkpoints' folder here)
+    assert (out / "checkpoints.1" / "m.2.jsonl").is_file() and (out / "hf.1" / "config.json").is_file()
     # the next one takes the next free number; empty leftovers are not a run
     (out / "metrics.jsonl").write_text('{"step": 2}\n')
     (out / "checkpoints").mkdir()

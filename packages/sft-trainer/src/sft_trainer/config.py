@@ -467,7 +467,7 @@ class CheckpointConfig(_Section):
     every: int = Field(0, ge=0, description="Save a checkpoint every this many steps (0: only at the end).")
     resume: bool | str = Field(
         False,
-        description="true: resume from the latest checkpoint in `dir` (start fresh if none); a path: resume "
+        description="true (or 'latest'): resume from the latest checkpoint in `dir` (start fresh if none); a path: resume "
         "from that checkpoint (must exist); false: start fresh.",
     )
     export_hf: bool = Field(True, description="At the end, write an HF checkpoint folder under `output_dir`/hf.")
@@ -656,18 +656,19 @@ def config_help(command: str, about: str = "") -> str:
     ]
 
     def walk(cls: type[BaseModel], prefix: str) -> None:
-        for name, field in cls.model_fields.items():
+        fields = cls.model_fields.items()
+        for name, field in fields:  # a section's own keys first, then its subsections, so none sits under another
+            if _submodel(field.annotation) is None:
+                default = field.get_default(call_default_factory=True)
+                shown = json.dumps(list(default) if isinstance(default, tuple) else default)
+                lines.append(f"  --{prefix}{name} ({_type_name(field.annotation)}, default {shown})")
+                if field.description:
+                    lines.append(f"      {field.description}")
+        for name, field in fields:
             sub = _submodel(field.annotation)
-            key = f"{prefix}{name}"
             if sub is not None:
-                lines.extend(["", f"[{key}] {field.description or ''}".rstrip()])
-                walk(sub, f"{key}.")
-                continue
-            default = field.get_default(call_default_factory=True)
-            shown = json.dumps(default) if isinstance(default, (str, list, bool)) or default is None else default
-            lines.append(f"  --{key} ({_type_name(field.annotation)}, default {shown})")
-            if field.description:
-                lines.append(f"      {field.description}")
+                lines.extend(["", f"[{prefix}{name}] {field.description or ''}".rstrip()])
+                walk(sub, f"{prefix}{name}.")
 
     walk(TrainConfig, "")
     return "\n".join(lines)
@@ -985,7 +986,7 @@ def check_config(cfg: TrainConfig) -> list[str]:
                 "images need a Qwen3.5-VL model (model.preset = 'tiny-qwen3_5-vl', or a VL checkpoint)"
             )
     resume = cfg.checkpoint.resume
-    if isinstance(resume, str) and not Path(resume).exists():
+    if isinstance(resume, str) and resume not in ("true", "latest") and not Path(resume).exists():
         problems.append(f"checkpoint.resume={resume!r}: no such checkpoint (use true to resume from the latest)")
 
     problems.extend(_check_model(cfg))

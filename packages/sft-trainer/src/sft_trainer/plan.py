@@ -1442,7 +1442,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from sft_trainer.config import ConfigError, load_config
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-h", "--help", "help"):
+    if argv[:1] == ["help"] or any(a in ("-h", "--help") for a in argv):
         from sft_trainer.config import config_help
 
         print(config_help("sft-train plan", PLAN_USAGE))

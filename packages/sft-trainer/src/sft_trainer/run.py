@@ -48,6 +48,9 @@ def launch(cfg) -> None:
     try:
         mp.spawn(_spawned, args=(cfg, world, port), nprocs=world, join=True)
     except mp.ProcessExitedException as exc:  # a worker stopped with a message (printed above), not a traceback
+        if exc.signal_name:  # killed, not stopped: say by what (SIGKILL is most often the out-of-memory killer)
+            hint = " (most often the out-of-memory killer: see dmesg)" if exc.signal_name == "SIGKILL" else ""
+            raise SystemExit(f"sft-train: worker {exc.error_index} was killed by {exc.signal_name}{hint}") from None
         raise SystemExit(f"sft-train: stopped (worker {exc.error_index} exited with code {exc.exit_code})") from None
 
 
@@ -164,8 +167,13 @@ def _memory_gib(device: torch.device) -> float:
 
 
 def _stop(rank: int, message: str) -> NoReturn:
-    """End this worker over a user-facing problem every rank meets alike: one clean line from rank 0, no traceback."""
-    raise SystemExit(f"sft-train: {message}" if rank == 0 else 1) from None
+    """End this worker over a user-facing problem every rank meets alike: one clean line from rank 0, no traceback.
+    Rank 0 prints at once; the others wait a moment first, since the launcher stops every worker when one ends."""
+    if rank == 0:
+        print(f"sft-train: {message}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(2.0)
+    raise SystemExit(1) from None
 
 
 def worker(cfg) -> dict[str, Any]:
@@ -181,6 +189,9 @@ def worker(cfg) -> dict[str, Any]:
         rank = dist.get_rank()
         mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
         topology = CPTopology.from_mesh(mesh, "cp")
+        if rank == 0 and resume_checkpoint(cfg) is None:
+            set_aside_previous_run(cfg)
+        dist.barrier()  # before any rank reads or writes the run folder
         dp_group = mesh.get_group("dp")
         world_group = dist.group.WORLD
         try:
@@ -213,9 +224,6 @@ def worker(cfg) -> dict[str, Any]:
         out_dir = Path(cfg.output_dir)
         ckpt_dir = cfg.checkpoint_dir
         start_step = maybe_resume(cfg, model, optimizer, scheduler)
-        if start_step == 0 and rank == 0:
-            set_aside_previous_run(cfg)
-        dist.barrier()  # nobody writes into the run folder before it is cleared
         metrics = MetricsWriter(cfg.metrics_path if rank == 0 else None, fresh=start_step == 0)
         wandb_run = start_wandb(cfg) if rank == 0 else None
         metrics.wandb_run = wandb_run
@@ -358,10 +366,10 @@ def check_resume(cfg, world: int) -> list[str]:
             "with the layout that wrote it, or start fresh (checkpoint.resume = false)"
         )
     step = int(torch.load(path / "extra-rank0.pt", weights_only=False)["step"])
-    if step >= cfg.train.steps:
+    if step > cfg.train.steps:  # equal: a finished run, resumed to save and export again
         problems.append(
-            f"checkpoint.resume: {path} is at step {step} and train.steps={cfg.train.steps}: nothing is left to "
-            "train; raise train.steps to continue it"
+            f"checkpoint.resume: {path} is at step {step}, past train.steps={cfg.train.steps}; raise train.steps "
+            "to continue it"
         )
     return problems
 
@@ -395,11 +403,17 @@ def set_aside_previous_run(cfg) -> list[tuple[Path, Path]]:
     """A fresh run whose folders hold an earlier run's checkpoints, metrics or HF export moves them aside, to
     ``checkpoints.1``, ``metrics.1.jsonl``, ``hf.1`` (the first free number), so that nothing is lost and the runs
     never mix (an old ``step-000040`` beside the new run's ``latest``). Returns the moves made."""
+    output_dir = Path(cfg.output_dir).resolve()
+    read = [Path(p).resolve() for p in (cfg.model.path, cfg.data_path, cfg.tokenizer_path, cfg.data.processor) if p]
+    candidates = [Path(p).resolve() for p in (cfg.checkpoint_dir, cfg.metrics_path, Path(cfg.output_dir) / "hf")]
     found = [
         p
-        for p in (cfg.checkpoint_dir, cfg.metrics_path, Path(cfg.output_dir) / "hf")
-        if (p.is_dir() and any(p.iterdir())) or (p.is_file() and p.stat().st_size)
+        for p in dict.fromkeys(candidates)
+        if ((p.is_dir() and any(p.iterdir())) or (p.is_file() and p.stat().st_size))
+        and not output_dir.is_relative_to(p)  # never the run folder itself or a folder above it
+        and not any(r.is_relative_to(p) for r in read)  # nor what this run reads (a model exported by the last one)
     ]
+    found = [p for p in found if not any(p != q and p.is_relative_to(q) for q in found)]  # the outermost only
     if not found:
         return []
 
@@ -437,6 +451,12 @@ def start_wandb(cfg):
     )
 
 
+RUN_USAGE = (
+    "Trains: spawns dp x cp local workers (CPU), or runs as one torchrun worker. `sft-train plan ...` takes the same\n"
+    "config and prints the CP traffic, memory per rank and the longest row that fits instead (`sft-train plan --help`)."
+)
+
+
 def main(argv: list[str] | None = None) -> None:
     """``sft-train [--config FILE.toml] [--section.key VALUE ...]``: validate the config, then train.
 
@@ -452,10 +472,10 @@ def main(argv: list[str] | None = None) -> None:
 
         plan_main(argv[1:])
         return
-    if argv and argv[0] in ("-h", "--help", "help"):
+    if argv[:1] == ["help"] or any(a in ("-h", "--help") for a in argv):
         from sft_trainer.config import config_help
 
-        print(config_help("sft-train"))
+        print(config_help("sft-train", RUN_USAGE))
         return
     try:
         path, argv = split_config_argument(argv)  # --config FILE (or --config=FILE), anywhere among the overrides
