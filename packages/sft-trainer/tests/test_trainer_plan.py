@@ -907,7 +907,7 @@ def test_a_gpu_run_warns_before_launch_when_the_plan_does_not_fit(capsys, monkey
     import sft_trainer.run as run
 
     launched = []
-    monkeypatch.setattr(run, "_device_and_backend_names", lambda cfg: ("cuda", "nccl"))
+    monkeypatch.setattr(run, "_backend", lambda cfg: "nccl")
     monkeypatch.setattr(run, "launch", launched.append)
     monkeypatch.setenv("RANK", rank)
     args = ["--config", "tiny_cpu", "--model.config", "qwen3_5-0.8b", "--model.dtype", "bfloat16"]
@@ -930,7 +930,7 @@ def test_a_gpu_run_warns_before_launch_when_the_plan_does_not_fit(capsys, monkey
 def test_a_cpu_run_skips_the_gpu_plan(capsys, monkeypatch):
     import sft_trainer.run as run
 
-    monkeypatch.setattr(run, "_device_and_backend_names", lambda cfg: ("cpu", "gloo"))
+    monkeypatch.setattr(run, "_backend", lambda cfg: "gloo")
     monkeypatch.setattr(run, "launch", lambda cfg: None)
     monkeypatch.setattr(run, "warn_when_plan_does_not_fit", lambda cfg: pytest.fail("planned a CPU run"))
     run_main(["--config", "tiny_cpu", "--model.config", "qwen3_5-0.8b", "--data.seq_len", "1048576"])

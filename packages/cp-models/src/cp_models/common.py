@@ -130,15 +130,16 @@ def build_row_metadata(
     (``problem``, see :func:`validated_row_inputs`): :func:`cp_core.check_same_row_on_every_rank`, one tiny
     all-reduce on ``device``. So the validation after it raises on every rank alike; call it before anything else
     that can raise."""
+    lens: tuple[int, ...] = ()
     if problem is None:
         try:
-            check_divisible(sum(normalize_seq_lens(seq_lens)), topology.size)
+            lens = normalize_seq_lens(seq_lens)
+            check_divisible(sum(lens), topology.size)
         except Exception as exc:  # shards of unequal size (the padding advice, not "other shapes"), or no lengths
             problem = exc
     extra = (local_len, *tensor_shapes(*inputs))
-    check_same_row_on_every_rank(seq_lens, topology, device, extra=extra, problem=problem)
+    check_same_row_on_every_rank(seq_lens, topology, device, extra=extra, problem=problem)  # raises any problem
     total = local_len * topology.size
-    lens = normalize_seq_lens(seq_lens)
     if sum(lens) != total:  # before any divisibility advice: the lengths and the shard disagree
         raise ContextParallelError(
             f"seq_lens sum to {sum(lens)} tokens but this rank holds {local_len} of a row split over "
@@ -418,12 +419,15 @@ def token_log_probs(
     labels: torch.Tensor,
     chunk_size: int | None = None,
     vocab_chunk_size: int | None = None,
+    *,
+    check_labels: bool = True,
 ) -> torch.Tensor:
     """Per-token ``log softmax(hidden @ weight.T)[label]`` in fp32 ([T]); never builds [T, vocab] logits.
 
     Labels < 0 (ignored tokens) give 0 and no gradient; combine with a loss mask by multiplication. The logits are
     computed in tiles of ``chunk_size`` tokens x ``vocab_chunk_size`` vocabulary entries (default
     :data:`LOSS_TILE`), so the workspace is one tile plus an fp32 gradient accumulator of ``min(T, vocab)`` rows.
+    ``check_labels=False`` skips reading the largest label (a host sync) where the caller has checked them.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or labels.shape != hidden.shape[:1]:
         raise ContextParallelError(
@@ -435,8 +439,8 @@ def token_log_probs(
     for name, size in (("chunk_size", chunk_size), ("vocab_chunk_size", vocab_chunk_size)):
         if size is not None and (not isinstance(size, int) or size < 1):
             raise ContextParallelError(f"{name} must be a positive number of rows, got {size!r}")
-    if labels.numel() and int(labels.max()) >= weight.size(0):
-        raise ContextParallelError(f"label {int(labels.max())} is outside the vocabulary of {weight.size(0)}")
+    if check_labels:
+        check_token_values(None, labels, weight.size(0))
     tile = loss_tile_shape(hidden.size(0), weight.size(0), chunk_size, vocab_chunk_size)
     valid = labels >= 0
     return _TiledTokenLogProbs.apply(hidden, weight, labels.clamp_min(0), *tile) * valid
@@ -675,8 +679,8 @@ def causal_lm_output(
     without labels)."""
     out = CausalLMOutput(hidden_states=hidden)
     if labels is not None:
-        labels = _one_row("labels", labels, 1)
-        out.token_log_probs = token_log_probs(hidden, lm_head.weight, labels, loss_chunk_size)
+        labels = _one_row("labels", labels, 1)  # checked against the vocabulary by the models before any collective
+        out.token_log_probs = token_log_probs(hidden, lm_head.weight, labels, loss_chunk_size, check_labels=False)
     if return_logits or (return_logits is None and labels is None):
         out.logits = lm_head(hidden)
     return out

@@ -642,6 +642,11 @@ def _type_name(annotation: Any) -> str:
     return getattr(annotation, "__name__", str(annotation)).replace("typing.", "")
 
 
+def wants_help(argv: Sequence[str]) -> bool:
+    """Whether a command line asks for help: ``help`` first, or ``-h`` / ``--help`` anywhere."""
+    return list(argv[:1]) == ["help"] or any(a in ("-h", "--help") for a in argv)
+
+
 def config_help(command: str, about: str = "") -> str:
     """The usage of ``command`` and every config key: its dotted name, type, default and description."""
     shipped = ", ".join(sorted(p.stem for p in CONFIGS_DIR.glob("*.toml")))

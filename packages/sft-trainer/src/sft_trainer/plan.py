@@ -1439,10 +1439,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     Validates the config as training would, prints the plan (a table, or JSON with ``--json``) and exits nonzero
     naming the reason when the config is invalid or does not fit the GPU. Returns the plan dict."""
-    from sft_trainer.config import ConfigError, load_config
+    from sft_trainer.config import ConfigError, load_config, wants_help
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["help"] or any(a in ("-h", "--help") for a in argv):
+    if wants_help(argv):
         from sft_trainer.config import config_help
 
         print(config_help("sft-train plan", PLAN_USAGE))

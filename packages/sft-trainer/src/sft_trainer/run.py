@@ -70,7 +70,7 @@ def _spawned(rank: int, cfg, world: int, port: int) -> None:
 
 
 def _device_and_backend(cfg) -> tuple[torch.device, str]:
-    _, backend = _device_and_backend_names(cfg)
+    backend = _backend(cfg)
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)
@@ -352,7 +352,7 @@ def resume_checkpoint(cfg) -> Path | None:
 def check_resume(cfg, world: int) -> list[str]:
     """Why the checkpoint to resume from cannot continue this run (empty: it can, or the run starts fresh): it must
     be an sft-train checkpoint, written by as many ranks as this run has (each holds its rank's data position and
-    random state), and at a step below ``train.steps``."""
+    random state), and at a step not past ``train.steps`` (equal: a finished run, saved and exported again)."""
     path = resume_checkpoint(cfg)
     if path is None:
         return []
@@ -463,7 +463,7 @@ def main(argv: list[str] | None = None) -> None:
     ``sft-train plan [--config FILE.toml] [--section.key VALUE ...] [--json]`` prints the run's CP traffic, memory
     per rank and the longest row that fits instead (``sft_trainer.plan``), starting nothing.
     ``--config`` may stand anywhere among the overrides; the overrides apply on top of it, in order."""
-    from sft_trainer.config import ConfigError, load_config
+    from sft_trainer.config import ConfigError, load_config, wants_help
     from sft_trainer.plan import split_config_argument
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -472,7 +472,7 @@ def main(argv: list[str] | None = None) -> None:
 
         plan_main(argv[1:])
         return
-    if argv[:1] == ["help"] or any(a in ("-h", "--help") for a in argv):
+    if wants_help(argv):
         from sft_trainer.config import config_help
 
         print(config_help("sft-train", RUN_USAGE))
@@ -486,17 +486,17 @@ def main(argv: list[str] | None = None) -> None:
     problems = check_resume(cfg, dp * cp)
     if problems:
         raise SystemExit("sft-train: cannot resume:\n" + "\n".join(f"  - {p}" for p in problems))
-    if _device_and_backend_names(cfg)[0] == "cuda" and os.environ.get("RANK", "0") == "0":
+    if _backend(cfg) == "nccl" and os.environ.get("RANK", "0") == "0":  # a GPU run
         warn_when_plan_does_not_fit(cfg)
     launch(cfg)
 
 
-def _device_and_backend_names(cfg) -> tuple[str, str]:
-    """Where a run of ``cfg`` would train, without touching a device: ("cuda", "nccl") or ("cpu", "gloo")."""
+def _backend(cfg) -> str:
+    """The process-group backend a run of ``cfg`` uses, without touching a device: "nccl" (on GPUs) or "gloo"."""
     backend = cfg.parallel.backend
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    return ("cuda" if backend == "nccl" else "cpu"), backend
+    return backend
 
 
 def warn_when_plan_does_not_fit(cfg, gpu_memory_gib: float | None = None) -> bool:
