@@ -20,6 +20,7 @@
 #   bash benchmarks/gpu_session_models.sh kvgather  # all-gathered-KV attention: GPU tests, layer time, 0.8B at cp 16 / 64
 #   bash benchmarks/gpu_session_models.sh ring      # ring attention: its flash block kernels' test, 0.8B at cp 16 / 32 / 64
 #   bash benchmarks/gpu_session_models.sh pending   # every GPU test written but not yet run (ring kernels, GDN under CP)
+#   bash benchmarks/gpu_session_models.sh long-rows # 128k steps of 2B, Nemotron-H Nano 8l, 35B-A3B 8l; row-check time
 # Logs and tables land under $OUT. Compilation and autotuning of fla's kernels cost minutes per fresh machine (the
 # first step of a new process: ~175 s for a Qwen3.5 model, 8 minutes on 2026-12-04 for the simulated 0.8B at cp 16;
 # a lone Mamba layer did not finish in 150 s), so every part leaves the Triton cache (compiled kernels and fla's
@@ -38,6 +39,7 @@ if ls .gpu/cache/triton-cache.tgz.* >/dev/null 2>&1; then
   mkdir -p "$CACHE_DIR" && cat .gpu/cache/triton-cache.tgz.* | tar xzf - -C "$CACHE_DIR"
 fi
 save_cache() {  # at most 60 MiB in 15 MiB parts, so that it comes back and can travel in with the next carry
+  [ "${SAVE_CACHE:-1}" = 1 ] || return 0  # SAVE_CACHE=0: a call whose own outputs need the 64 MiB / 8 files back
   tar czf /tmp/triton-cache.tgz -C "$CACHE_DIR" . 2>/dev/null || return 0
   if [ "$(stat -c %s /tmp/triton-cache.tgz)" -le $((60 * 2**20)) ]; then
     mkdir -p "$OUT/cache" && split -b 15M -d -a 1 /tmp/triton-cache.tgz "$OUT/cache/triton-cache.tgz."
@@ -186,6 +188,14 @@ case "${1:-tests}" in
     timeout 420 python3 -m pytest -v -p no:cacheprovider packages/cp-core/tests/test_core_attention_gpu.py \
       packages/cp-core/tests/test_core_recurrent_gpu.py -k "ring or cp_gdn_fla_rank0 or prepass_keeps_no_conv" 2>&1 \
       | tee "$OUT/pending/tests.log" | grep -E "PASS|FAIL|ERROR|passed|failed"
+    ;;
+  long-rows)  # 128k rows of the shapes only measured to 32k (checkpointed: the only variant that fits); the time of
+    # the per-row input checks (two host syncs per forward)
+    mkdir -p "$OUT/long" "$OUT/checks"
+    timeout 60 python3 benchmarks/row_checks_time.py --out "$OUT/checks" 2>&1 | tail -6
+    timeout "${STEP_S:-500}" python3 benchmarks/model_step.py --out "$OUT/long" --shapes qwen3_5-2b nemotron_h-nano-8l \
+      qwen3_5-35b-a3b-8l --seq-lens 131072 --limit-s 90 --first-step-limit-s 200 --reps 1 \
+      --variants "cp_models + act. ckpt" 2>&1 | tee "$OUT/long/log.txt" | grep -E "^\||built"
     ;;
   large)
     mkdir -p "$OUT/large"

@@ -136,7 +136,11 @@ def test_ring_flash_block_kernels_match_reference(block, heads, dim):
     for name, a, b in zip(("dq", "dk", "dv"), fast, ref, strict=True):
         assert a.shape == b.shape, (name, a.shape, b.shape)
         assert torch.isfinite(a).all(), name
-        assert _rel(a, b) < 1e-2, (name, _rel(a, b))
+        # a single-token document's dq is zero in exact arithmetic (its softmax is 1): both kernels leave
+        # rounding noise there, so the error is measured against 1e-3 of dout's norm at the least
+        floor = 1e-3 * dout.float().norm().item()
+        error = (a.float() - b.float()).norm().item() / max(b.float().norm().item(), floor)
+        assert error < 1e-2, (name, error)
 
 
 @pytest.mark.skipif(
