@@ -101,7 +101,7 @@ def plot_memory(out: Path) -> Path:
         for r in json.loads((DOCS / "benchmarks/simulated_scale_qwen3_5-0.8b.json").read_text())["rows"]
         if r.get("status") == "ok" and r.get("peak_gib")
     ]
-    cps = [1, 2, 4, 8, 16, 32, 64]  # past 8 (the 0.8B's query heads) attention gathers K|V
+    cps = [1, 2, 4, 8, 16, 32, 64]  # past 8 (the 0.8B's query heads) "auto" gathers K|V, from 32 passes it around
     fig, ax = plt.subplots(figsize=(8.5, 4.2))
     for i, seq_len in enumerate([131072, 262144, 524288, 1048576, 2097152]):
         kw = dict(activation_checkpointing=True, optimizer=False, attention_cp="auto")
@@ -111,24 +111,34 @@ def plot_memory(out: Path) -> Path:
         color = f"C{i}"
         ax.plot(cps, [e.total / GIB for e in est], "-o", color=color, label=f"S = {seq_len // 1024}k: planner")
         ax.plot(cps, ideal, ":", color=color, label=f"S = {seq_len // 1024}k: ideal (cp 1 activations / cp)")
-        points = {(r["cp"], round(r["peak_gib"], 1)) for r in measured if r["seq_len"] == seq_len}
-        if points:
-            xs, ys = zip(*sorted(points), strict=True)
-            ax.plot(
-                xs,
-                ys,
-                "s",
-                color=color,
-                markersize=9,
-                markerfacecolor="none",
-                label=f"S = {seq_len // 1024}k: measured",
-            )
+        for marker, ring, what in (
+            ("s", False, "measured (Ulysses / all-gathered KV)"),
+            ("^", True, "measured (ring-passed KV)"),
+        ):
+            points = {
+                (r["cp"], round(r["peak_gib"], 1))
+                for r in measured
+                if r["seq_len"] == seq_len and (r.get("attention") == "kv_ring") == ring
+            }
+            if points:
+                xs, ys = zip(*sorted(points), strict=True)
+                ax.plot(
+                    xs,
+                    ys,
+                    marker,
+                    color=color,
+                    markersize=9,
+                    markerfacecolor="none",
+                    label=f"S = {seq_len // 1024}k: {what}",
+                )
     ax.axhline(139.8, color="grey", linewidth=0.8)
     ax.text(1, 142, "H200 (139.8 GiB)", fontsize=7, color="grey")
     ax.set_xscale("log", base=2)
     ax.set_xticks(cps, [str(c) for c in cps])
-    ax.axvspan(8, 64, color="grey", alpha=0.08)
+    ax.axvspan(8, 32, color="grey", alpha=0.08)
+    ax.axvspan(32, 64, color="grey", alpha=0.16)
     ax.text(9, 200, "all-gathered KV", fontsize=7, color="grey")
+    ax.text(33, 200, "ring", fontsize=7, color="grey")
     ax.set_yscale("log", base=2)  # 2M at cp 1 (~280 GiB) and 128k at cp 8 (~5 GiB) on one readable scale
     ax.set_yticks([4, 8, 16, 32, 64, 128, 256], ["4", "8", "16", "32", "64", "128", "256"])
     ax.set_xlabel("cp (ranks)")

@@ -123,7 +123,8 @@ def test_separate_key_boundaries_bad_input():
         ("auto", 8, 2, 1, "ulysses"),
         ("auto", 8, 2, 8, "ulysses"),
         ("auto", 8, 2, 16, "kv_gather"),  # more ranks than query heads
-        ("auto", 8, 2, 64, "kv_gather"),
+        ("auto", 8, 2, 31, "kv_gather"),
+        ("auto", 8, 2, 64, "kv_ring"),  # from AUTO_RING_FROM_CP the ring, whose memory does not grow with the row
         ("auto", 6, 6, 4, "kv_gather"),  # cp does not divide the query heads
         ("auto", 24, 6, 4, "kv_gather"),  # nor the KV heads, nor they it
         ("kv_gather", 8, 2, 2, "kv_gather"),
@@ -147,7 +148,7 @@ def test_separate_key_boundaries_bad_input():
     ],
 )
 def test_resolve_attention_cp_style(style, q_heads, kv_heads, cp, want):
-    if want in ("ulysses", "kv_gather"):
+    if want in ("ulysses", "kv_gather", "kv_ring"):
         assert resolve_attention_cp_style(style, q_heads, kv_heads, cp) == want
     else:
         with pytest.raises(ContextParallelError, match=want):

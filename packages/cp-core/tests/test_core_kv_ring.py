@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from cp_core import (
+    AUTO_RING_FROM_CP,
     ContextParallelError,
     CPTopology,
     build_packed_metadata,
@@ -283,7 +284,10 @@ def test_ring_kernels_by_backend():
     [
         ("kv_ring", 64, "kv_ring"),
         ("kv_ring", 1, "kv_ring"),
-        ("auto", 64, "kv_gather"),  # auto keeps all-gather KV, measured on the GPU; the ring is chosen by name
+        ("auto", 16, "kv_gather"),  # past Ulysses' head rule: all-gathered KV, the ring from AUTO_RING_FROM_CP
+        ("auto", 31, "kv_gather"),
+        ("auto", 32, "kv_ring"),
+        ("auto", 64, "kv_ring"),
         ("ulysses", 16, r"use attention CP style 'kv_gather' or 'kv_ring' \(or 'auto'\), which take any cp"),
         ("ring", 2, r"unknown attention CP style 'ring'; choose one of .*'kv_ring'"),
     ],
@@ -294,6 +298,13 @@ def test_resolve_ring_style(style, cp, want):
     else:
         with pytest.raises(ContextParallelError, match=want):
             resolve_attention_cp_style(style, 8, 2, cp)
+
+
+def test_auto_keeps_ulysses_wherever_its_head_rule_holds():
+    assert AUTO_RING_FROM_CP == 32
+    assert resolve_attention_cp_style("auto", 64, 8, 64) == "ulysses"  # even work per rank, whatever the cp
+    assert resolve_attention_cp_style("auto", 32, 2, 32) == "ulysses"  # KV replicated to the ranks
+    assert resolve_attention_cp_style("auto", 32, 2, 64) == "kv_ring"
 
 
 def _ring_and_gather_memory(rank: int, cp: int, local: int, heads: int, dim: int) -> dict[str, tuple[int, int]]:

@@ -237,11 +237,12 @@ def test_closed_forms_match_the_documented_tables():
 
 
 def test_attention_strategy_beyond_the_query_heads():
-    """0.8B (8 query, 2 KV heads): Ulysses up to cp 8; beyond it "auto" gathers the keys and values, and the
-    estimate holds the gathered row's k|v (2 Hkv D cp per local token) instead of the head-layout q, k, v."""
+    """0.8B (8 query, 2 KV heads): Ulysses up to cp 8; beyond it "auto" gathers the keys and values (from cp 32 it
+    passes them around the ring), and the estimate holds the gathered row's k|v (2 Hkv D cp per local token)
+    instead of the head-layout q, k, v."""
     config = shipped("qwen3_5-0.8b")
-    strategies = [plan.attention_strategy(config, cp, "auto") for cp in (1, 8, 16, 64)]
-    assert strategies == ["ulysses"] * 2 + ["kv_gather"] * 2
+    strategies = [plan.attention_strategy(config, cp, "auto") for cp in (1, 8, 16, 31, 32, 64)]
+    assert strategies == ["ulysses"] * 2 + ["kv_gather"] * 2 + ["kv_ring"] * 2
     assert plan.valid_cp(config, 16, attention_cp="auto") is None
     assert plan.valid_cp(config, 64, attention_cp="kv_gather") is None
     assert "cp=16, q_heads=8" in plan.valid_cp(config, 16)  # Ulysses, the default
@@ -258,7 +259,7 @@ def test_attention_strategy_beyond_the_query_heads():
         assert ring["attn_kv_row"] == ring["attn_q_cp"] == gathered["attn_kv_blocks"] == 0
     assert plan.attention_strategy(config, 64, "kv_ring") == "kv_ring"
     nano = shipped("nemotron_h-nano-30b-a3b")
-    assert plan.attention_strategy(nano, 64, "auto") == "kv_gather"
+    assert plan.attention_strategy(nano, 64, "auto") == "kv_ring"
     assert plan.attention_strategy(nano, 32, "auto") == "ulysses"
 
 
@@ -435,9 +436,9 @@ def test_memory_model_is_within_fifteen_percent_of_every_recorded_h200_peak(monk
     """The planner's per-rank total (weights, gradients, activations, workspace; no optimizer: the benchmarks'
     setting) against torch.cuda.max_memory_allocated of every recorded step: unsharded, all shapes, with and
     without checkpointing, 8k to 2M tokens, and one rank's share at cp 2 .. 64 on a fake group (cp 16 .. 64 with
-    all-gathered KV), estimated for the rank and attention strategy it ran (rank cp // 2 unless the row names
-    another: at cp 2 the last, which runs no GDN pre-pass; at cp >= 4 a middle one, through which the state
-    passes). Rows recorded before TILED_LOSS_RUN, RECOMPUTED_MLP_RUN, SEGMENTED_PREPASS_RUN or
+    all-gathered and with ring-passed KV), estimated for the rank and attention strategy it ran (rank cp // 2
+    unless the row names another: at cp 2 the last, which runs no GDN pre-pass; at cp >= 4 a middle one, through
+    which the state passes). Rows recorded before TILED_LOSS_RUN, RECOMPUTED_MLP_RUN, SEGMENTED_PREPASS_RUN or
     SHARED_PREPASS_INPUTS_RUN are estimated as the planner modelled their code."""
     points = _recorded_h200_peaks()
     shapes = {p[0] for p in points}
@@ -446,6 +447,7 @@ def test_memory_model_is_within_fifteen_percent_of_every_recorded_h200_peak(monk
     assert sum(p[5] >= TILED_LOSS_RUN for p in points) >= 14  # most points ran today's code
     assert sum(p[5] >= RECOMPUTED_MLP_RUN for p in points) >= 14  # the recomputing MLPs, every Qwen3.5 shape
     assert {p[2] for p in points if p[7] == "kv_gather"} >= {16, 32, 64}  # all-gathered KV past Ulysses' limit
+    assert {p[2] for p in points if p[7] == "kv_ring"} >= {16, 32, 64}  # ring-passed KV (2026-12-05a)
     assert {p[2] for p in points if p[5] >= SEGMENTED_PREPASS_RUN} >= {1, 4, 8, 16, 32, 64}  # the segmented pre-pass
     configs = _benchmark_shapes(shapes)
     errors = []

@@ -21,6 +21,7 @@ from cp_core.attention import AttentionBackend, resolve_attention_backend, varle
 from cp_core.conv import causal_conv1d, causal_conv1d_cp, exchange_halo, naive_causal_conv1d
 from cp_core.cp_attention import (
     ATTENTION_CP_STYLES,
+    AUTO_RING_FROM_CP,
     AttentionCPStyle,
     context_parallel_attention,
     resolve_attention_cp_style,
@@ -68,6 +69,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ATTENTION_CP_STYLES",
+    "AUTO_RING_FROM_CP",
     "AttentionBackend",
     "AttentionCPStyle",
     "CPTopology",

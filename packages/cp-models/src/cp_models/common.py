@@ -89,7 +89,7 @@ def set_context_parallel_attributes(
     ``attention_cp_style`` picks how softmax attention splits: "ulysses" (the default: all-to-all over heads, even
     work; cp must divide the query heads), "kv_gather" (all-gathered keys and values; any cp), "kv_ring" (keys and
     values passed around the ring; any cp, memory that does not grow with the row) or "auto" (Ulysses where its
-    head rule holds, else all-gathered KV).
+    head rule holds, else all-gathered KV below ``cp_core.AUTO_RING_FROM_CP`` ranks and the ring from there).
 
     Validates every layer for ``world_size`` first (head rules), so nothing is half-configured on error. Raises
     :class:`ContextParallelError` for a model containing token-mixing modules that have no CP implementation.

@@ -353,7 +353,7 @@ class ParallelConfig(_Section):
         "even work per rank; cp must divide the query heads), 'kv_gather' (every rank all-gathers the row's keys and "
         "values; any cp), 'kv_ring' (the keys and values pass around the ring of ranks; any cp; per-rank memory "
         "that does not grow with the row, twice kv_gather's bytes in backward), 'auto': 'ulysses' where the heads "
-        "allow it, else 'kv_gather'.",
+        "allow it, else 'kv_gather' below cp 32 and 'kv_ring' from cp 32 (cp_core.AUTO_RING_FROM_CP).",
     )
     fsdp: bool = Field(
         True,
