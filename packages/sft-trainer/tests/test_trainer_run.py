@@ -4,6 +4,7 @@ export loads in transformers with the same logits."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -109,6 +110,37 @@ def test_data_without_rows_stops_with_one_clean_line(tmp_path):
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert re.search(r"\nsft-train: stopped \(worker \d exited with code 1\)$", proc.stderr.rstrip()), proc.stderr
     assert proc.stderr.count("no packed rows") == 1  # rank 0 says why; the other rank just stops
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "stderr_has"),
+    [
+        ("return {}", 0, None),
+        ("raise SystemExit(1)", 1, None),
+        ("raise SystemExit('no packed rows for dp rank 1')", 1, "no packed rows for dp rank 1"),
+        ("raise ValueError('boom')", 1, "ValueError: boom"),
+    ],
+)
+@pytest.mark.parametrize("start", ["run._spawned(0, None, 1, 0)", "run.launch(None)"], ids=["spawned", "torchrun"])
+def test_worker_keeps_its_exit_code_and_message(start, body, code, stderr_has):
+    """A worker (spawned, or started by torchrun: RANK set) leaves through os._exit on every path (a gloo thread at interpreter teardown aborted about
+    one run in ten with SIGABRT, which the launcher reported as a crash): the code, the SystemExit message and an
+    unexpected error's traceback must all survive that exit."""
+    script = (
+        "import sft_trainer.run as run\n"
+        f"def worker(cfg):\n    {body}\n"
+        "run.worker = worker\n"
+        f"{start}\n"
+        "raise AssertionError('the worker returned instead of exiting')\n"
+    )
+    env = {**os.environ, "RANK": "0"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == code, proc.stderr[-2000:]
+    if stderr_has is None:
+        assert proc.stderr == ""
+    else:
+        assert stderr_has in proc.stderr
+        assert ("Traceback" in proc.stderr) == stderr_has.startswith("ValueError"), proc.stderr[-2000:]
 
 
 def test_hf_export_loads_in_transformers(cp1_run):

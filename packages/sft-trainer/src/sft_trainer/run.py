@@ -7,6 +7,7 @@ import resource
 import socket
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -40,8 +41,7 @@ def world_layout(cfg) -> tuple[int, int]:
 def launch(cfg) -> None:
     """Run under torchrun when its variables are set; otherwise spawn dp x cp local workers (CPU runs)."""
     if "RANK" in os.environ:
-        worker(cfg)
-        return
+        run_worker_then_exit(cfg)
     dp, cp = world_layout(cfg)
     world = dp * cp
     port = _free_port()
@@ -59,14 +59,32 @@ def _spawned(rank: int, cfg, world: int, port: int) -> None:
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    worker(cfg)
-    # Everything is written and every rank has passed the last barrier. Leave without the interpreter's teardown:
-    # at finalization a gloo worker thread can still be joinable, and one run in many then died with SIGABRT
-    # ("terminate called without an active exception") after finishing. Errors still propagate: only success
-    # reaches this line.
+    run_worker_then_exit(cfg)
+
+
+def run_worker_then_exit(cfg) -> NoReturn:
+    """Run this process's worker, then end the process with its exit code (a spawned or a torchrun worker)."""
+    # Every way out leaves without the interpreter's teardown: at finalization a gloo worker thread can still be
+    # joinable, and about one run in ten then died with SIGABRT ("terminate called without an active exception"),
+    # after finishing or after a clean one-line stop, so the launcher reported a crash instead of the stop. The
+    # exit code and the message (or traceback) are kept; the launcher reports the code.
+    code = 0
+    try:
+        worker(cfg)
+    except SystemExit as exc:
+        if isinstance(exc.code, int):
+            code = exc.code
+        elif exc.code is not None:  # SystemExit("message"): print it as the interpreter would, exit with 1
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:  # Ctrl-C reaches every worker: no traceback per process
+        code = 130
+    except BaseException:
+        traceback.print_exc()
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def _device_and_backend(cfg) -> tuple[torch.device, str]:
