@@ -47,7 +47,7 @@ def launch(cfg) -> None:
     port = _free_port()
     try:
         mp.spawn(_spawned, args=(cfg, world, port), nprocs=world, join=True)
-    except mp.ProcessExitedException as exc:  # a worker stopped with a message (printed above), not a traceback
+    except mp.ProcessExitedException as exc:  # a worker stopped; its message or traceback is printed above
         if exc.signal_name:  # killed, not stopped: say by what (SIGKILL is most often the out-of-memory killer)
             hint = " (most often the out-of-memory killer: see dmesg)" if exc.signal_name == "SIGKILL" else ""
             raise SystemExit(f"sft-train: worker {exc.error_index} was killed by {exc.signal_name}{hint}") from None
