@@ -224,7 +224,11 @@ def worker(cfg) -> dict[str, Any]:
         model = build_model(cfg, tokenizer, device, mesh, topology)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(
-            params, lr=cfg.train.lr, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay
+            params,
+            lr=cfg.train.lr,
+            betas=tuple(cfg.train.betas),
+            weight_decay=cfg.train.weight_decay,
+            fused=device.type == "cuda" or None,  # one kernel per step on GPUs; torch's default (foreach) on CPU
         )
         steps, warmup = cfg.train.steps, cfg.train.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -114,15 +114,19 @@ def train_step(
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     if world_group is not None:
         dist.all_reduce(loss_sum, group=world_group)
-    finite = torch.tensor([float(torch.isfinite(loss_sum) and torch.isfinite(grad_norm))], device=device)
+    finite = (torch.isfinite(loss_sum) & torch.isfinite(grad_norm)).to(torch.float64).reshape(1)
     if world_group is not None:
         dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=world_group)
-    skipped = finite.item() < 1
+    # One host sync per step: the loss, the norm and the verdict come back together.
+    loss_value, norm_value, finite_value = torch.cat(
+        [loss_sum.reshape(1), grad_norm.double().reshape(1), finite]
+    ).tolist()
+    skipped = finite_value < 1
     if not skipped:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
-    return loss_sum.item() / max(tokens, 1), tokens, float(grad_norm), skipped
+    return loss_value / max(tokens, 1), tokens, norm_value, skipped
 
 
 class MetricsWriter:
