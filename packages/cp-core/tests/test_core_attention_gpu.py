@@ -10,7 +10,7 @@ import torch
 from cp_core.attention import flash_attn_available, varlen_attn_available, varlen_causal_attention
 from cp_core.packing import cu_seqlens_from_lens
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 LAYOUTS = {
     "three_docs": [3000, 1000, 96],

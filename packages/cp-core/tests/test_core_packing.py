@@ -317,6 +317,7 @@ def test_normalize_seq_lens_refuses_device_tensors():
         normalize_seq_lens(torch.tensor([3, 4], device="meta"))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_normalize_seq_lens_refuses_cuda_tensors():
     with pytest.raises(ContextParallelError, match="must live on the CPU"):

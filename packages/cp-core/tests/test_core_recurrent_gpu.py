@@ -16,9 +16,12 @@ from cp_core.kernels import fla_available
 from cp_core.packing import build_packed_metadata
 from cp_core.ssd import chunk_ssd_torch, ssd
 
-pytestmark = pytest.mark.skipif(
-    not (torch.cuda.is_available() and fla_available()), reason="needs CUDA and flash-linear-attention"
-)
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() and fla_available()), reason="needs CUDA and flash-linear-attention"
+    ),
+]
 TOL = 2e-2
 LENS = [20000, 8000, 4000, 768]  # 32k tokens, 4 documents
 

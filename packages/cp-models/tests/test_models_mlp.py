@@ -198,6 +198,7 @@ def test_recomputing_mlp_under_activation_checkpointing(build, bias, early_stop)
         assert rel_err(got, want) <= 1e-15
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_recomputing_swiglu_on_cuda_bf16_keeps_half_and_matches():
     """The 2B shape's MLP (2048 -> 6144) on 8192 bf16 tokens: the same numbers as the plain expression (cuBLAS

@@ -21,9 +21,12 @@ from cp_core.kernels import fla_available
 from cp_core.testing import kernel_agreement, relative_l2
 from cp_models import NemotronHForCausalLM
 
-pytestmark = pytest.mark.skipif(
-    not (torch.cuda.is_available() and fla_available()), reason="needs CUDA and flash-linear-attention"
-)
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() and fla_available()), reason="needs CUDA and flash-linear-attention"
+    ),
+]
 
 
 def nano_config(**overrides) -> NemotronHConfig:
