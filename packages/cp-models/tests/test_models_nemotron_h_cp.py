@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
+from nemotron_h_dt import draw_dt_bias
 from transformers import NemotronHConfig
 
 from cp_core import ContextParallelError, CPTopology, PackedRowMetadata, build_packed_metadata
@@ -68,8 +69,16 @@ CONFIGS = {
         moe_intermediate_size=16,
         moe_shared_expert_intermediate_size=16,
     ),
-    # 4 B/C groups: a2a gives each rank 2 groups at cp=2 and one at cp=4; no conv bias, projection biases.
-    "groups4": dict(_COMMON, hybrid_override_pattern="M*M", n_groups=4, use_conv_bias=False, use_bias=True),
+    # 4 B/C groups: a2a gives each rank 2 groups at cp=2 and one at cp=4; no conv bias, projection biases; time
+    # steps clamped to [4e-3, 5e-2] (every third head's dt_bias under the lower bound).
+    "groups4": dict(
+        _COMMON,
+        hybrid_override_pattern="M*M",
+        n_groups=4,
+        use_conv_bias=False,
+        use_bias=True,
+        time_step_limit=(4e-3, 5e-2),
+    ),
 }
 
 
@@ -80,15 +89,16 @@ def make_config(name: str, **overrides) -> NemotronHConfig:
 @torch.no_grad()
 def randomize_(model: torch.nn.Module) -> None:
     """Moderate random weights everywhere, so that every path carries signal: matrices N(0, 0.2), norm weights
-    around 1, a nonzero router correction bias, Mamba decays A = exp(A_log) in [0.05, 0.2] with time steps
-    softplus(dt + dt_bias) ~ 0.4-1.2, so a state keeps ~30-90% of itself over 10 tokens and what crosses a
-    shard cut matters (test_parity_detects_mamba_without_cp checks that it does)."""
+    around 1, a nonzero router correction bias, Mamba decays A = exp(A_log) in [0.05, 0.2] with dt_bias as
+    transformers draws it (time steps ~1e-3-0.1, some clamped where the config's time_step_limit has a positive
+    lower bound), so a state keeps most of itself across a shard and what crosses a shard cut matters
+    (test_parity_detects_mamba_without_cp checks that it does)."""
     for name, p in model.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
         if leaf == "A_log":
             p.copy_(torch.empty_like(p).uniform_(0.05, 0.2).log())
         elif leaf == "dt_bias":
-            p.normal_(0.0, 0.3)
+            p.copy_(draw_dt_bias(model.config, p.numel()))
         elif p.dim() >= 2:
             p.normal_(0.0, 0.2)
         elif name.endswith("norm.weight") or name.endswith("norm_f.weight"):

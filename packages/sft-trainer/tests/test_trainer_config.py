@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from sft_trainer.config import (
     parse_overrides,
     resolve_model_config,
     tiny_qwen35_config,
+    tiny_qwen35_vl_config,
 )
 
 if sys.version_info >= (3, 11):
@@ -39,7 +41,7 @@ else:
 def _text_config(**changes) -> dict:
     config = dict(
         model_type="qwen3_5_text",
-        vocab_size=128,
+        vocab_size=1024,  # room for the shipped tiny tokenizer's 649 tokens
         hidden_size=96,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -65,12 +67,17 @@ MODEL_FILES = {
         "model_type": "qwen3_5",
         "text_config": {k: v for k, v in _text_config().items() if k != "model_type"},
         "vision_config": {"depth": 1, "hidden_size": 32, "num_heads": 2, "out_hidden_size": 96},
+        # the shipped tiny VL processor's placeholder ids
+        "image_token_id": 651,
+        "video_token_id": 652,
+        "vision_start_token_id": 649,
+        "vision_end_token_id": 650,
     },
     "llama": {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4},
     # Nemotron-H: 6 Mamba heads in 3 groups (a2a fits cp 1, 3 only), 4 query / 2 KV attention heads
     "nemo6": {
         "model_type": "nemotron_h",
-        "vocab_size": 128,
+        "vocab_size": 1024,
         "hidden_size": 32,
         "hybrid_override_pattern": "M*-",
         "num_attention_heads": 4,
@@ -96,7 +103,10 @@ def model_files(tmp_path: Path) -> dict[str, str]:
         text = content if isinstance(content, str) else json.dumps(content)
         (folder / "config.json").write_text(text)
         paths[name] = str(folder / "config.json")
-    paths["dir_q6"] = str(tmp_path / "q6")  # a checkpoint-like folder holding config.json
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # a checkpoint-like folder: config.json + tokenizer
+        shutil.copy(SHIPPED_TOKENIZER / name, tmp_path / "q6" / name)
+    paths["dir_q6"] = str(tmp_path / "q6")
+    paths["dir_kv3"] = str(tmp_path / "kv3")  # config.json alone, no tokenizer
     paths["missing"] = str(tmp_path / "does_not_exist")
     paths["vl_processor"] = str(SHIPPED_VL_PROCESSOR)
     return paths
@@ -583,10 +593,10 @@ def test_help_lists_every_key_with_its_default(capsys, command):
     # a section's own keys come before its subsections, so none sits under another's header
     assert out.index("--output_dir (") < out.index("[model]")
     assert out.index("--logging.progress_bar") < out.index("[logging.wandb]")
-    assert "--train.betas (tuple, default [0.9, 0.95])" in out and ("sft-train plan --help" in out) != bool(command)
+    assert "--train.betas (tuple, value [0.9, 0.95])" in out and ("sft-train plan --help" in out) != bool(command)
     assert out.startswith(f"usage: sft-train{' plan' if command else ''} [--config FILE.toml]")
-    assert "--data.seq_len (int, default 256)" in out
-    assert '--parallel.attention_cp ("ulysses"|"kv_gather"|"kv_ring"|"auto", default "ulysses")' in out
+    assert "--data.seq_len (int, value 256)" in out
+    assert '--parallel.attention_cp ("ulysses"|"kv_gather"|"kv_ring"|"auto", value "ulysses")' in out
     assert ("--gpu-memory-gib" in out) == bool(command)
 
     def keys(cls, prefix=""):
@@ -600,3 +610,71 @@ def test_help_lists_every_key_with_its_default(capsys, command):
 
     missing = [k for k in keys(TrainConfig) if f"  --{k} (" not in out]
     assert not missing, missing
+
+
+# --------------------------------------------------------------------------------------------------------
+# A checkpoint's own tokenizer, and what a run naming a checkpoint starts from
+
+
+def test_checkpoint_tokenizer_is_the_default_and_must_fit(model_files, tmp_path):
+    cfg = load_config(None, ["--model.path", model_files["dir_q6"]])
+    assert cfg.tokenizer_path == model_files["dir_q6"]
+    given = load_config(None, ["--model.path", model_files["dir_q6"], "--data.tokenizer", str(SHIPPED_TOKENIZER)])
+    assert given.tokenizer_path == str(SHIPPED_TOKENIZER)
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["--model.path", model_files["dir_kv3"]])
+    assert str(info.value).count("\n") == 0 and "holds no tokenizer" in str(info.value)
+    assert f"model.path={model_files['dir_kv3']!r}" in str(info.value) and "set data.tokenizer" in str(info.value)
+
+    small = tmp_path / "small"  # a checkpoint folder whose vocabulary is smaller than its tokenizer's
+    small.mkdir()
+    (small / "config.json").write_text(json.dumps(_text_config(vocab_size=600)))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(SHIPPED_TOKENIZER / name, small / name)
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["--model.path", str(small)])
+    message = str(info.value)
+    assert message.count("\n") == 0 and "649 tokens (ids up to 648)" in message and "vocab_size=600" in message
+    with pytest.raises(ConfigError, match=r"data\.tokenizer=.*649 tokens .* vocab_size=128"):
+        (tmp_path / "q128.json").write_text(json.dumps(_text_config(vocab_size=128)))
+        load_config(None, ["--model.config", str(tmp_path / "q128.json")])
+
+
+def test_special_tokens_outside_the_vocabulary_are_refused(tmp_path):
+    from sft_trainer.tokenizer_fit import load_tokenizer, tokenizer_problems
+
+    tokenizer = load_tokenizer(SHIPPED_TOKENIZER)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|extra|>"]})  # id 649
+    config = tiny_qwen35_config(vocab_size=649)
+    problems = tokenizer_problems(tokenizer, config, "data.tokenizer='t'", "model.path='m'")
+    assert problems == [
+        "data.tokenizer='t' has 650 tokens (ids up to 649) but model.path='m' has vocab_size=649: its ids must be "
+        "below vocab_size; use the checkpoint's own tokenizer (the default for model.path) or one made for it"
+    ]
+    assert tokenizer_problems(tokenizer, tiny_qwen35_config(vocab_size=650), "t", "m") == []
+    vl = tiny_qwen35_vl_config(vocab_size=1024, image_token_id=651, vision_start_token_id=600)
+    vl_tokenizer = load_tokenizer(SHIPPED_VL_PROCESSOR)
+    assert tokenizer_problems(vl_tokenizer, vl, "t", "m") == [
+        "t does not match the VL model m: vision_start_token_id=600 but the tokenizer's <|vision_start|> is 649"
+    ]
+
+
+def test_a_checkpoint_run_without_config_starts_from_the_schema_defaults(model_files, capsys):
+    from sft_trainer.run import main
+
+    tiny = load_config(None, [])
+    assert (tiny.parallel.cp, tiny.train.lr, tiny.train.warmup_steps) == (2, 3e-3, 4)
+    cfg = load_config(None, ["--model.path", model_files["dir_q6"]])
+    assert cfg == TrainConfig(model={"path": model_files["dir_q6"]})  # nothing from tiny_cpu.toml
+    assert (cfg.parallel.cp, cfg.train.lr, cfg.train.warmup_steps, cfg.output_dir) == (1, 3e-4, 0, "outputs")
+    with_file = load_config("tiny_cpu", ["--model.path", model_files["dir_q6"]])
+    assert (with_file.parallel.cp, with_file.train.lr) == (2, 3e-3)  # an explicit --config still applies
+
+    main(["--model.path", model_files["dir_q6"], "--train.lr", "1e-5", "--help"])
+    out = capsys.readouterr().out
+    assert "--parallel.cp (int, value 1)" in out and "--train.lr (float, value 1e-05)" in out
+    assert "--train.warmup_steps (int, value 0)" in out and "(schema defaults + overrides)" in out
+    main(["--help"])
+    out = capsys.readouterr().out
+    assert "--parallel.cp (int, value 2)" in out and "--train.lr (float, value 0.003)" in out and "tiny_cpu.toml" in out
+    assert "Nemotron-H" in out.split("  --model.path (")[1].split("  --model.config (")[0]

@@ -307,15 +307,20 @@ class GatedRMSNorm(nn.Module):
 # Loss without [S, vocab] logits
 
 
+def _accumulation_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 for bf16/fp16/fp32 inputs, fp64 for fp64 ones (so an fp64 test runs fp64 through the loss's backward)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` as fp32: on CUDA one GEMM with an fp32 output for bf16/fp16 inputs (no rounded half-precision
-    product), elsewhere the product in the inputs' dtype, upcast."""
-    if a.dtype != torch.float32 and a.is_cuda:
+    """``a @ b`` in at least fp32 (fp64 stays fp64): on CUDA one GEMM with an fp32 output for bf16/fp16 inputs (no
+    rounded half-precision product), elsewhere the product in the inputs' dtype, upcast."""
+    if a.dtype in (torch.bfloat16, torch.float16) and a.is_cuda:
         try:
             return torch.mm(a, b, out_dtype=torch.float32)
         except (TypeError, RuntimeError):  # torch without mixed-dtype mm
             pass
-    return (a @ b).float()
+    return (a @ b).to(_accumulation_dtype(a))
 
 
 def _label_columns(labels: torch.Tensor, vocab: slice) -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,14 +340,16 @@ class _TiledTokenLogProbs(torch.autograd.Function):
     runs over accumulates per chunk in fp32; the other side's fp32 accumulator is full size, so the outer loop runs
     over the vocabulary when the shard has fewer tokens than the vocabulary (accumulator [T, hidden]) and over the
     tokens otherwise ([vocab, hidden]). Tiles are fp32 (on CUDA straight out of the GEMM); the matmuls of backward
-    take the weight's dtype, as a plain cross-entropy over bf16 logits would.
+    take the weight's dtype, as a plain cross-entropy over bf16 logits would. fp64 inputs run in fp64 throughout
+    (tiles, log-sum-exp, accumulators), forward and backward.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, token_chunk, vocab_chunk):
         num_tokens, vocab = hidden.size(0), weight.size(0)
-        lse = hidden.new_full((num_tokens,), float("-inf"), dtype=torch.float32)
-        target = hidden.new_zeros(num_tokens, dtype=torch.float32)
+        acc = _accumulation_dtype(hidden)
+        lse = hidden.new_full((num_tokens,), float("-inf"), dtype=acc)
+        target = hidden.new_zeros(num_tokens, dtype=acc)
         for t, v in ((t, v) for t in _chunks(num_tokens, token_chunk) for v in _chunks(vocab, vocab_chunk)):
             logits = _mm_f32(hidden[t], weight[v].t())
             column, hit = _label_columns(labels[t], v)
@@ -363,15 +370,16 @@ class _TiledTokenLogProbs(torch.autograd.Function):
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         # Without a weight gradient (a frozen LM head, e.g. LoRA) the token-outer order needs no full accumulator.
         token_outer = num_tokens > vocab or not need_weight
-        neg_grad = -grad_out.float()[:, None]
+        acc = _accumulation_dtype(hidden)
+        neg_grad = -grad_out.to(acc)[:, None]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.empty_like(weight) if need_weight else None
         full_rows = (vocab if need_weight else 0) if token_outer else (num_tokens if need_hidden else 0)
-        full = hidden.new_zeros((full_rows, width), dtype=torch.float32) if full_rows else None
+        full = hidden.new_zeros((full_rows, width), dtype=acc) if full_rows else None
         outer = _chunks(num_tokens, token_chunk) if token_outer else _chunks(vocab, vocab_chunk)
         inner = _chunks(vocab, vocab_chunk) if token_outer else _chunks(num_tokens, token_chunk)
         for o in outer:
-            partial = hidden.new_zeros((o.stop - o.start, width), dtype=torch.float32)
+            partial = hidden.new_zeros((o.stop - o.start, width), dtype=acc)
             for i in inner:
                 t, v = (o, i) if token_outer else (i, o)
                 probs = _mm_f32(hidden[t], weight[v].t()).sub_(lse[t, None]).exp_()
@@ -381,7 +389,7 @@ class _TiledTokenLogProbs(torch.autograd.Function):
                 if need_hidden:
                     (partial if token_outer else full[t]).add_(_mm_f32(probs, weight[v]))
                 if need_weight:
-                    scaled_hidden = (hidden[t].float() * neg_grad[t]).to(weight.dtype)
+                    scaled_hidden = (hidden[t].to(acc) * neg_grad[t]).to(weight.dtype)
                     (full[v] if token_outer else partial).add_(_mm_f32(probs.t(), scaled_hidden))
                 del probs
             if token_outer and need_hidden:
@@ -422,7 +430,8 @@ def token_log_probs(
     *,
     check_labels: bool = True,
 ) -> torch.Tensor:
-    """Per-token ``log softmax(hidden @ weight.T)[label]`` in fp32 ([T]); never builds [T, vocab] logits.
+    """Per-token ``log softmax(hidden @ weight.T)[label]`` in fp32 (fp64 for fp64 inputs) ([T]); never builds
+    [T, vocab] logits.
 
     Labels < 0 (ignored tokens) give 0 and no gradient; combine with a loss mask by multiplication. The logits are
     computed in tiles of ``chunk_size`` tokens x ``vocab_chunk_size`` vocabulary entries (default

@@ -43,6 +43,7 @@ from cp_core import (
     ssd_cp,
 )
 from cp_core.head_parallel import check_head_parallel, fused_sequence_to_heads, local_groups, local_heads
+from cp_core.numerics import upcast
 from cp_models.common import (
     CausalLMOutput,
     ContextParallelAttention,
@@ -125,12 +126,27 @@ class NemotronHRMSNorm(nn.Module):
 # Token mixers
 
 
+def _time_step_limit(config) -> tuple[float, float]:
+    """``config.time_step_limit`` as ``(low, high)``: the bounds every Mamba layer clamps its time steps to."""
+    try:
+        limit = tuple(float(v) for v in config.time_step_limit)
+    except (TypeError, ValueError):
+        limit = ()
+    if len(limit) != 2 or not 0.0 <= limit[0] <= limit[1]:
+        raise ContextParallelError(
+            f"time_step_limit={config.time_step_limit!r} must be [low, high] with 0 <= low <= high "
+            "(the released configs use [0.0, inf])"
+        )
+    return limit
+
+
 class NemotronHMamba2Mixer(ContextParallelModule):
     """Mamba-2: in_proj -> (z, x|B|C, dt); causal depthwise conv over x|B|C; SSD scan with D skip; RMSNorm of
     ``y * silu(z)`` in groups of ``intermediate / n_groups``; out_proj.
 
-    ``dt = max(softplus(dt + dt_bias), time_step_min)``: transformers' torch path (and the mamba-ssm kernels it
-    calls) clamps to ``(time_step_min, inf)`` and ignores ``config.time_step_limit``; we do what it does.
+    ``dt = clamp(softplus(dt + dt_bias), *time_step_limit)``, as transformers >= 5.25 and mamba-ssm's ``dt_limit``
+    do (``(0, inf)``, the released configs' value, clamps nothing); ``time_step_min`` and ``time_step_max`` only
+    shape the initialization of ``dt_bias``. transformers 5.17-5.24 clamp to ``(time_step_min, inf)`` instead.
     """
 
     def __init__(self, config, recurrent_backend: RecurrentBackend = "auto", cp_style: MambaCPStyle = "state_passing"):
@@ -145,7 +161,7 @@ class NemotronHMamba2Mixer(ContextParallelModule):
                 f"mamba_num_heads={self.num_heads} must be a multiple of n_groups={self.n_groups}"
             )
         self.conv_dim = self.intermediate_size + 2 * self.n_groups * self.state_size
-        self.time_step_min = config.time_step_min
+        self.time_step_limit = _time_step_limit(config)
         self.recurrent_backend, self.cp_style = recurrent_backend, cp_style
         # silu is fused into the conv primitives; any other activation is applied after a linear conv.
         act = config.mamba_hidden_act
@@ -192,9 +208,10 @@ class NemotronHMamba2Mixer(ContextParallelModule):
         return xbc if self.post_conv_act is None else self.post_conv_act(xbc)
 
     def _discretize(self, dt: torch.Tensor, heads: slice) -> tuple[torch.Tensor, torch.Tensor]:
-        """(dt [T, h] fp32, A [h] fp32) of the given heads."""
-        dt = F.softplus(dt.float() + self.dt_bias[heads].float()).clamp_min(self.time_step_min)
-        return dt, -torch.exp(self.A_log[heads].float())
+        """(dt [T, h], A [h]) of the given heads, in fp32 (fp64 stays fp64)."""
+        dt = F.softplus(upcast(dt) + upcast(self.dt_bias[heads]))
+        low, high = self.time_step_limit
+        return torch.clamp(dt, min=low, max=high), -torch.exp(upcast(self.A_log[heads]))
 
     def _sequence_parallel(self, xbc: torch.Tensor, dt: torch.Tensor, meta: PackedRowMetadata) -> torch.Tensor:
         """Sequence-sharded: conv halo + SSD state passing. Returns y [T, H, P]."""

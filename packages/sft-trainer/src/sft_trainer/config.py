@@ -256,7 +256,10 @@ class ModelConfig(_Section):
     """``[model]``: which model to train and how to run it."""
 
     path: str | None = Field(
-        None, description="HF checkpoint folder (config.json + safetensors) to fine-tune; text or VL Qwen3.5."
+        None,
+        description="HF checkpoint folder (config.json + safetensors, usually with its tokenizer) to fine-tune: "
+        "Qwen3.5 (dense, MoE or VL) or Nemotron-H. Without --config, a run naming model.path starts from these "
+        "defaults, not from tiny_cpu.toml.",
     )
     config: str | None = Field(
         None,
@@ -312,8 +315,9 @@ class DataConfig(_Section):
     )
     tokenizer: str | None = Field(
         None,
-        description="Tokenizer folder (tokenizer.json with a chat template); for a checkpoint, usually its own "
-        "folder; unset: the shipped tiny tokenizer (the tiny VL processor's for a VL model).",
+        description="Tokenizer folder (tokenizer.json with a chat template); unset: model.path's own tokenizer for a "
+        "checkpoint, else the shipped tiny tokenizer (the tiny VL processor's for a VL model). Its ids and special "
+        "tokens must fit the model's vocabulary.",
     )
     processor: str | None = Field(
         None,
@@ -442,7 +446,11 @@ class TrainingConfig(_Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (beta1, beta2), each in [0, 1).")
     max_grad_norm: float = Field(1.0, ge=0, description="Clip the global gradient norm to this; 0 disables clipping.")
-    seed: int = Field(0, description="Seed of the weight init (random-init models) and of dropout.")
+    seed: int = Field(
+        0,
+        description="Seed of the weight init (random-init models), the LoRA adapters' init (the same on every rank) "
+        "and LoRA dropout. The data order has its own seed, data.seed.",
+    )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters ([train.lora]).")
 
     @field_validator("betas", mode="before")
@@ -526,8 +534,13 @@ class TrainConfig(_Section):
 
     @property
     def tokenizer_path(self) -> str:
-        """``data.tokenizer``, or the shipped tiny tokenizer (the tiny VL processor's for a VL model)."""
-        return self.data.tokenizer or str(SHIPPED_VL_PROCESSOR if self.vision_language else SHIPPED_TOKENIZER)
+        """``data.tokenizer``; else the checkpoint folder ``model.path`` (its own tokenizer); else the shipped tiny
+        tokenizer (the tiny VL processor's for a VL model)."""
+        if self.data.tokenizer:
+            return self.data.tokenizer
+        if self.model.path is not None:
+            return self.model.path
+        return str(SHIPPED_VL_PROCESSOR if self.vision_language else SHIPPED_TOKENIZER)
 
     @property
     def processor_path(self) -> str | None:
@@ -647,35 +660,45 @@ def wants_help(argv: Sequence[str]) -> bool:
     return list(argv[:1]) == ["help"] or any(a in ("-h", "--help") for a in argv)
 
 
-def config_help(command: str, about: str = "") -> str:
-    """The usage of ``command`` and every config key: its dotted name, type, default and description."""
+def config_help(command: str, about: str = "", argv: Sequence[str] = ()) -> str:
+    """The usage of ``command`` and every config key: its dotted name, type, the value a run with the rest of the
+    command line ``argv`` gets (its --config and overrides; unknown options are ignored here), and its description."""
+    from sft_trainer.plan import split_config_argument
+
     shipped = ", ".join(sorted(p.stem for p in CONFIGS_DIR.glob("*.toml")))
+    try:
+        path, overrides = split_config_argument([a for a in argv if a not in ("help", "-h", "--help")])
+        data, source, _ = starting_data(path, overrides)
+    except ConfigError:
+        data, source = {}, "schema defaults (the config file could not be read)"
     lines = [
         f"usage: {command} [--config FILE.toml] [--section.key VALUE ...]",
         "",
         *([about, ""] if about else []),
-        f"--config names a TOML file or a shipped config ({shipped}; default tiny_cpu). Every key below can be",
+        f"--config names a TOML file or a shipped config ({shipped}). Without it, a command line naming a",
+        "checkpoint (--model.path) starts from the schema defaults, any other from tiny_cpu. Every key below can be",
         "set there or overridden here, as --section.key VALUE or --section.key=VALUE (TOML values: 3, 1e-4, true,",
-        "'text', [1, 2]); true/false keys may stand alone (--train.lora.enabled). The defaults shown are the",
-        "schema's; the config file's values replace them. Docs: docs/sft-trainer.md.",
+        "'text', [1, 2]); true/false keys may stand alone (--train.lora.enabled). The values shown are the ones",
+        f"this command line gets ({source}). Docs: docs/sft-trainer.md.",
     ]
 
-    def walk(cls: type[BaseModel], prefix: str) -> None:
+    def walk(cls: type[BaseModel], prefix: str, given: Mapping[str, Any]) -> None:
         fields = cls.model_fields.items()
         for name, field in fields:  # a section's own keys first, then its subsections, so none sits under another
             if _submodel(field.annotation) is None:
-                default = field.get_default(call_default_factory=True)
-                shown = json.dumps(list(default) if isinstance(default, tuple) else default)
-                lines.append(f"  --{prefix}{name} ({_type_name(field.annotation)}, default {shown})")
+                value = given[name] if name in given else field.get_default(call_default_factory=True)
+                shown = json.dumps(list(value) if isinstance(value, tuple) else value, default=str)
+                lines.append(f"  --{prefix}{name} ({_type_name(field.annotation)}, value {shown})")
                 if field.description:
                     lines.append(f"      {field.description}")
         for name, field in fields:
             sub = _submodel(field.annotation)
             if sub is not None:
                 lines.extend(["", f"[{prefix}{name}] {field.description or ''}".rstrip()])
-                walk(sub, f"{prefix}{name}.")
+                section = given.get(name)
+                walk(sub, f"{prefix}{name}.", section if isinstance(section, Mapping) else {})
 
-    walk(TrainConfig, "")
+    walk(TrainConfig, "", data)
     return "\n".join(lines)
 
 
@@ -832,10 +855,12 @@ def resolve_model_config(model: ModelConfig, vocab_size: int | None = None, toke
             f"{source}: model_type={model_type!r} is not supported; supported model types: "
             f"{', '.join(sorted(supported_types))}"
         )
-    from transformers import CONFIG_MAPPING
+    from transformers import AutoConfig
 
+    # Read by transformers itself, as from_pretrained will: it decodes what it writes (e.g. an infinite
+    # time_step_limit as {"__float__": "Infinity"}). Never remote code: the model type is one of ours.
     try:
-        return CONFIG_MAPPING[model_type].from_dict(raw)
+        return AutoConfig.from_pretrained(str(file), trust_remote_code=False)
     except Exception as exc:  # transformers' own validation of the config's values
         raise ConfigError(f"{source}: transformers rejects {file}: {exc}") from exc
 
@@ -994,8 +1019,37 @@ def check_config(cfg: TrainConfig) -> list[str]:
     if isinstance(resume, str) and resume not in ("true", "latest") and not Path(resume).exists():
         problems.append(f"checkpoint.resume={resume!r}: no such checkpoint (use true to resume from the latest)")
 
-    problems.extend(_check_model(cfg))
+    model_problems = _check_model(cfg)
+    problems.extend(model_problems)
+    if not model_problems:
+        problems.extend(_check_tokenizer(cfg))
     return problems
+
+
+def _check_tokenizer(cfg: TrainConfig) -> list[str]:
+    """The tokenizer a checkpoint or config-file model trains with must fit it (presets take its vocabulary)."""
+    from sft_trainer.tokenizer_fit import holds_tokenizer, load_tokenizer, tokenizer_problems
+
+    model = cfg.model
+    if model.path is None and model.config is None:
+        return []
+    folder = cfg.tokenizer_path
+    if cfg.data.tokenizer is None and model.path is not None:
+        if not holds_tokenizer(model.path):
+            return [
+                f"data.tokenizer is unset and model.path={model.path!r} holds no tokenizer (none of tokenizer.json, "
+                "tokenizer_config.json): set data.tokenizer to the tokenizer made for this checkpoint"
+            ]
+        field = f"the tokenizer of model.path={folder!r}"
+    else:
+        field = f"data.tokenizer={folder!r}"
+    if not Path(folder).is_dir():
+        return []  # reported by check_config
+    try:
+        tokenizer = load_tokenizer(folder)
+    except Exception as exc:
+        return [f"{field} does not load: {type(exc).__name__}: {exc}"]
+    return tokenizer_problems(tokenizer, resolve_model_config(model), field, _model_source(model))
 
 
 def config_from_dict(data: Mapping[str, Any], source: str | None = None) -> TrainConfig:
@@ -1028,15 +1082,38 @@ def _read_toml(path: Path) -> dict[str, Any]:
 def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
     """Read a TOML config, apply command-line overrides and validate the result.
 
-    ``path``: a TOML file, the name of a shipped config (``"tiny_cpu"``), or None for the shipped
-    ``configs/tiny_cpu.toml``. ``overrides``: ``["--parallel.cp", "2", "--train.steps=10", ...]``; values are
+    ``path``: a TOML file, the name of a shipped config (``"tiny_cpu"``), or None: the schema defaults when the
+    overrides name a checkpoint (``--model.path``), else the shipped ``configs/tiny_cpu.toml``. ``overrides``: ``["--parallel.cp", "2", "--train.steps=10", ...]``; values are
     parsed as TOML scalars (ints, floats, booleans, quoted or bare strings, arrays), ``null`` unsets an optional
     key. Raises :class:`ConfigError` listing every problem (unknown keys name the valid ones).
     """
-    toml_path = DEFAULT_CONFIG if path is None else Path(path)
-    data = _read_toml(toml_path)
-    source = str(toml_path) + (" + overrides" if overrides else "")
-    problems = _apply_overrides(data, overrides)
+    data, source, problems = starting_data(path, overrides)
     if problems:
         raise ConfigError(problems, source)
     return config_from_dict(data, source)
+
+
+def names_a_checkpoint(overrides: Sequence[str]) -> bool:
+    """Whether command-line overrides set ``model.path`` (to anything but null)."""
+    try:
+        return any(key == "model.path" and value != "null" for key, value in parse_overrides(overrides))
+    except ConfigError:
+        return False
+
+
+def starting_data(
+    path: str | os.PathLike[str] | None, overrides: Sequence[str]
+) -> tuple[dict[str, Any], str, list[str]]:
+    """(the run's config as a nested dict, before validation; its source; override problems).
+
+    A given ``path`` is read and the overrides applied on top. Without one, a command line naming a checkpoint
+    (``--model.path``) starts from the schema defaults (cp 1, lr 3e-4, no warmup, ...): the shipped tiny run's
+    settings are no starting point for a real model. Otherwise it starts from the shipped ``tiny_cpu.toml``."""
+    if path is None and names_a_checkpoint(overrides):
+        data: dict[str, Any] = {}
+        source = "schema defaults + overrides"
+    else:
+        toml_path = DEFAULT_CONFIG if path is None else Path(path)
+        data = _read_toml(toml_path)
+        source = str(toml_path) + (" + overrides" if overrides else "")
+    return data, source, _apply_overrides(data, overrides)

@@ -1445,7 +1445,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if wants_help(argv):
         from sft_trainer.config import config_help
 
-        print(config_help("sft-train plan", PLAN_USAGE))
+        print(config_help("sft-train plan", PLAN_USAGE, argv))
         return {}
     options, rest = _split_plan_options(argv)
     try:

@@ -196,9 +196,9 @@ def _stop(rank: int, message: str) -> NoReturn:
 
 def worker(cfg) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
-    from transformers import AutoTokenizer
 
     from sft_trainer.data import DataError, build_training_rows
+    from sft_trainer.tokenizer_fit import load_tokenizer
 
     device, backend = _device_and_backend(cfg)
     dp, cp = world_layout(cfg)
@@ -213,7 +213,7 @@ def worker(cfg) -> dict[str, Any]:
         dp_group = mesh.get_group("dp")
         world_group = dist.group.WORLD
         try:
-            tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
+            tokenizer = load_tokenizer(cfg.tokenizer_path)
         except Exception as exc:
             _stop(rank, f"data.tokenizer={str(cfg.tokenizer_path)!r} does not load: {type(exc).__name__}: {exc}")
         image_processor = None
@@ -497,7 +497,7 @@ def main(argv: list[str] | None = None) -> None:
     if wants_help(argv):
         from sft_trainer.config import config_help
 
-        print(config_help("sft-train", RUN_USAGE))
+        print(config_help("sft-train", RUN_USAGE, argv))
         return
     try:
         path, argv = split_config_argument(argv)  # --config FILE (or --config=FILE), anywhere among the overrides

@@ -1,0 +1,60 @@
+"""Whether a tokenizer fits a model: every id it can produce, its special tokens and (VL) its image placeholders
+must be rows of the model's embedding, checked before any worker starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+# Files of which one marks a folder as holding a tokenizer that AutoTokenizer can load.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# VL config field -> the placeholder's name in sft_trainer.data.VisionTokens; the ones a packed row relies on.
+_CHECKED_VISION_FIELDS = {"image_token_id": "image_pad", "vision_start_token_id": "vision_start"}
+
+
+def holds_tokenizer(folder: str | Path) -> bool:
+    """Whether ``folder`` holds tokenizer files (a checkpoint saved with its tokenizer does)."""
+    return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def load_tokenizer(folder: str | Path) -> Any:
+    """The tokenizer of ``folder`` (AutoTokenizer; never remote code)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
+
+
+def tokenizer_problems(tokenizer: Any, hf_config: Any, field: str, source: str) -> list[str]:
+    """One line per way ``tokenizer`` (named by ``field``, e.g. "data.tokenizer='x'") does not fit the model of
+    ``hf_config`` (named by ``source``): an id at or past ``vocab_size``, a special token outside it, or a VL
+    placeholder whose id differs from the config's."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    vocab = int(text.vocab_size)
+    problems = []
+    size = len(tokenizer)
+    top = max(tokenizer.get_vocab().values(), default=-1)
+    if max(size, top + 1) > vocab:
+        problems.append(
+            f"{field} has {size} tokens (ids up to {top}) but {source} has vocab_size={vocab}: its ids must be "
+            "below vocab_size; use the checkpoint's own tokenizer (the default for model.path) or one made for it"
+        )
+    special = {str(t): tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens}
+    outside = {t: i for t, i in special.items() if not isinstance(i, int) or not 0 <= i < vocab}
+    if outside and not problems:
+        problems.append(
+            f"{field}: special tokens {outside} lie outside the {vocab}-row embedding of {source}; use the "
+            "checkpoint's own tokenizer (the default for model.path) or one made for it"
+        )
+    if getattr(hf_config, "vision_config", None) is not None:
+        from sft_trainer.data import VisionTokens
+
+        ids = VisionTokens().ids(tokenizer)
+        wrong = [
+            f"{name}={getattr(hf_config, name)} but the tokenizer's {getattr(VisionTokens(), token)} is "
+            f"{ids.get(token, 'absent')}"
+            for name, token in _CHECKED_VISION_FIELDS.items()
+            if ids.get(token) != getattr(hf_config, name, None)
+        ]
+        if wrong:
+            problems.append(f"{field} does not match the VL model {source}: {'; '.join(wrong)}")
+    return problems
