@@ -130,6 +130,9 @@ def tables(runs: Path, command: str) -> str:
         ]
         for d in result["documents"]:
             lines.append(f"| {d['tokens']} | " + " | ".join(f"{v:.2e}" for k, v in d.items() if k != "tokens") + " |")
+    notes = runs / "NOTES.md"  # what the numbers alone do not say, written by whoever ran them
+    if notes.is_file():
+        lines += ["", notes.read_text().strip()]
     return "\n".join(lines) + "\n"
 
 
