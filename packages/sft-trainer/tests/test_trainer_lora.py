@@ -79,3 +79,24 @@ def test_lora_run_cp2_equals_cp1_and_exports(tmp_path):
     ids = torch.randint(0, hf.config.vocab_size, (20,))
     with torch.no_grad():
         assert torch.allclose(hf(ids[None]).logits[0], ours(ids, [20]).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_adapters_are_drawn_from_the_seed_alone():
+    """The same seed gives the same adapters whatever torch's global generator did before and whatever the model's
+    dtype (every rank draws the same A, bf16 runs included); another seed gives others; dropout seeds differ per
+    rank and per seed."""
+    from sft_trainer.lora import dropout_seed
+
+    def adapters(seed: int, dtype: torch.dtype, noise: int) -> dict[str, torch.Tensor]:
+        model = _model().to(dtype)
+        torch.manual_seed(noise)  # whatever the global generator holds must not matter
+        apply_lora(model, ["q_proj", "in_proj_qkv"], rank=4, alpha=8.0, seed=seed)
+        return {n: p.detach().float() for n, p in model.named_parameters() if n.endswith("lora_A")}
+
+    first, again, other = adapters(3, torch.float32, 1), adapters(3, torch.float32, 2), adapters(4, torch.float32, 1)
+    assert len(first) == 4 and all(torch.equal(first[n], again[n]) for n in first)
+    assert not any(torch.equal(first[n], other[n]) for n in first)
+    half = adapters(3, torch.bfloat16, 5)
+    assert all(torch.equal(half[n], first[n].bfloat16().float()) for n in first)
+    seeds = {dropout_seed(seed, rank) for seed in range(3) for rank in range(4)}
+    assert len(seeds) == 12 and dropout_seed(1, 2) == dropout_seed(1, 2)

@@ -258,8 +258,8 @@ class ModelConfig(_Section):
     path: str | None = Field(
         None,
         description="HF checkpoint folder (config.json + safetensors, usually with its tokenizer) to fine-tune: "
-        "Qwen3.5 (dense, MoE or VL) or Nemotron-H. Without --config, a run naming model.path starts from these "
-        "defaults, not from tiny_cpu.toml.",
+        "Qwen3.5 (dense, MoE or VL) or Nemotron-H. Without --config, a run naming model.path starts from the "
+        "schema defaults (what `--model.path X --help` shows), not from tiny_cpu.toml.",
     )
     config: str | None = Field(
         None,
@@ -1083,9 +1083,10 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[
     """Read a TOML config, apply command-line overrides and validate the result.
 
     ``path``: a TOML file, the name of a shipped config (``"tiny_cpu"``), or None: the schema defaults when the
-    overrides name a checkpoint (``--model.path``), else the shipped ``configs/tiny_cpu.toml``. ``overrides``: ``["--parallel.cp", "2", "--train.steps=10", ...]``; values are
-    parsed as TOML scalars (ints, floats, booleans, quoted or bare strings, arrays), ``null`` unsets an optional
-    key. Raises :class:`ConfigError` listing every problem (unknown keys name the valid ones).
+    overrides name a checkpoint (``--model.path``), else the shipped ``configs/tiny_cpu.toml``. ``overrides``:
+    ``["--parallel.cp", "2", "--train.steps=10", ...]``; values are parsed as TOML scalars (ints, floats,
+    booleans, quoted or bare strings, arrays), ``null`` unsets an optional key. Raises :class:`ConfigError`
+    listing every problem (unknown keys name the valid ones).
     """
     data, source, problems = starting_data(path, overrides)
     if problems:

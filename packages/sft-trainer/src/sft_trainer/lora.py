@@ -1,7 +1,12 @@
-"""LoRA adapters on chosen linear layers: ``y = W x + (alpha / r) B A dropout(x)``, W frozen, B starts at zero."""
+"""LoRA adapters on chosen linear layers: ``y = W x + (alpha / r) B A dropout(x)``, W frozen, B starts at zero.
+
+Randomness: ``A``'s init comes from a generator seeded by the caller (the trainer: ``train.seed``), drawn on the
+CPU in fp32 in module order, so every rank of any layout draws the same adapters; dropout draws from torch's
+global generator, which the trainer seeds per rank with :func:`dropout_seed`."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterable
 
@@ -17,7 +22,9 @@ def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tens
 class LoRALinear(nn.Module):
     """A frozen ``nn.Linear`` plus a trainable low-rank update. ``merged()`` returns the equivalent plain Linear."""
 
-    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0):
+    def __init__(
+        self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0, generator: torch.Generator | None = None
+    ):
         super().__init__()
         self.base = base
         self.base.requires_grad_(False)
@@ -28,7 +35,10 @@ class LoRALinear(nn.Module):
         self.lora_B = nn.Parameter(
             torch.zeros(base.out_features, rank, dtype=base.weight.dtype, device=base.weight.device)
         )
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        init = torch.empty(rank, base.in_features)  # on the CPU in fp32: the same draw whatever the device and dtype
+        nn.init.kaiming_uniform_(init, a=math.sqrt(5), generator=generator)
+        with torch.no_grad():
+            self.lora_A.copy_(init)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -44,11 +54,20 @@ class LoRALinear(nn.Module):
         return out
 
 
-def apply_lora(model: nn.Module, targets: Iterable[str], rank: int, alpha: float, dropout: float = 0.0) -> int:
-    """Freeze ``model`` and put adapters on every ``nn.Linear`` whose attribute name is in ``targets``.
+def apply_lora(
+    model: nn.Module,
+    targets: Iterable[str],
+    rank: int,
+    alpha: float,
+    dropout: float = 0.0,
+    seed: int | None = None,
+) -> int:
+    """Freeze ``model`` and put adapters on every ``nn.Linear`` whose attribute name is in ``targets``; with
+    ``seed``, their ``A`` matrices come from a generator seeded with it (else from torch's global generator).
 
     Returns the number of adapted layers; raises if none matched (a typo would otherwise train nothing).
     """
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
     targets = set(targets)
     model.requires_grad_(False)
     found = []
@@ -56,10 +75,17 @@ def apply_lora(model: nn.Module, targets: Iterable[str], rank: int, alpha: float
         for name, child in list(parent.named_children()):
             if name in targets and isinstance(child, nn.Linear):
                 found.append(name)
-                setattr(parent, name, LoRALinear(child, rank, alpha, dropout))
+                setattr(parent, name, LoRALinear(child, rank, alpha, dropout, generator))
     if not found:
         raise ValueError(f"train.lora.targets={sorted(targets)} matched no linear layer of {type(model).__name__}")
     return len(found)
+
+
+def dropout_seed(seed: int, rank: int) -> int:
+    """The global generator's seed on ``rank`` for dropout: fixed by (``seed``, rank), different across ranks
+    (each rank masks different tokens or rows) and across seeds."""
+    digest = hashlib.sha256(f"lora-dropout:{seed}:{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
 def merge_lora(model: nn.Module, keep_base: bool = False) -> nn.Module:

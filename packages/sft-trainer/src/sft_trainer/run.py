@@ -169,7 +169,7 @@ def build_model(cfg, tokenizer, device: torch.device, mesh, topology: CPTopology
         from sft_trainer.lora import apply_lora
 
         lora = cfg.train.lora
-        apply_lora(model, lora.targets, lora.rank, lora.alpha, lora.dropout)
+        apply_lora(model, lora.targets, lora.rank, lora.alpha, lora.dropout, seed=cfg.train.seed)
     model = model.to(device)
     if cfg.model.compile:
         apply_compile(model)
@@ -198,6 +198,7 @@ def worker(cfg) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from sft_trainer.data import DataError, build_training_rows
+    from sft_trainer.lora import dropout_seed
     from sft_trainer.tokenizer_fit import load_tokenizer
 
     device, backend = _device_and_backend(cfg)
@@ -222,6 +223,7 @@ def worker(cfg) -> dict[str, Any]:
 
             image_processor = load_image_processor(cfg.processor_path)
         model = build_model(cfg, tokenizer, device, mesh, topology)
+        torch.manual_seed(dropout_seed(cfg.train.seed, rank))  # dropout's draws; restored instead on resume
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(
             params,
