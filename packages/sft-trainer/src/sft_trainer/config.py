@@ -249,7 +249,8 @@ def model_family(hf_config) -> str:
 class _Section(BaseModel):
     # strict: TOML and the override parser give real ints, floats, bools and strings, so "10" for an int or 1
     # for a bool is a mistake to report, not a value to coerce (ints are still accepted for floats).
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # allow_inf_nan=False: every float must be finite (an infinite lr trained a model of NaNs and exited 0).
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -329,7 +330,7 @@ class DataConfig(_Section):
     on_error: Literal["raise", "skip"] = Field(
         "raise", description="A malformed record stops the run ('raise') or is skipped and counted ('skip')."
     )
-    seed: int = Field(0, description="Seed of the dataset shuffle and packing order.")
+    seed: int = Field(0, ge=0, lt=2**63, description="Seed of the dataset shuffle and packing order.")
 
 
 class ParallelConfig(_Section):
@@ -433,7 +434,7 @@ class TrainingConfig(_Section):
         1, ge=1, description="Packed rows per rank per micro-batch; must be 1 under CP (cp > 1)."
     )
     grad_accum: int = Field(1, ge=1, description="Micro-batches accumulated into each optimizer step.")
-    lr: float = Field(3e-4, gt=0, description="Peak learning rate.")
+    lr: float = Field(3e-4, gt=0, le=1, description="Peak learning rate (AdamW moves a weight by up to lr a step).")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of `lr`.")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps (at most `steps`).")
     decay: Literal["cosine", "linear", "constant"] = Field(
@@ -442,7 +443,13 @@ class TrainingConfig(_Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (beta1, beta2), each in [0, 1).")
     max_grad_norm: float = Field(1.0, ge=0, description="Clip the global gradient norm to this; 0 disables clipping.")
-    seed: int = Field(0, description="Seed of the weight init (random-init models) and of dropout.")
+    seed: int = Field(0, ge=0, lt=2**63, description="Seed of the weight init (random-init models) and of dropout.")
+    max_nonfinite_steps: int = Field(
+        3,
+        ge=1,
+        description="Stop with an error after this many consecutive steps whose loss or gradient norm is not "
+        "finite (each such step is skipped on every rank).",
+    )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters ([train.lora]).")
 
     @field_validator("betas", mode="before")
@@ -612,6 +619,8 @@ def _format_validation_error(exc: ValidationError) -> list[str]:
             msg = "required"
         elif err["type"] in ("bool_type", "bool_parsing"):
             msg = "must be true or false"
+        elif err["type"] == "finite_number":
+            msg = "must be a finite number (inf and nan are refused)"
         merged.setdefault(key, [])
         if msg not in merged[key]:
             merged[key].append(msg)

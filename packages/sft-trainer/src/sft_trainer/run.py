@@ -16,14 +16,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cp_core import CPTopology
-from sft_trainer.train import (
-    MetricsWriter,
-    StepStats,
-    lr_lambda,
-    rng_state,
-    set_rng_state,
-    train_step,
-)
+from sft_trainer.checkpoint import check_resume, maybe_resume, resume_checkpoint, save_checkpoint
+from sft_trainer.train import MetricsWriter, StepStats, lr_lambda, train_step
 
 
 def _free_port() -> int:
@@ -253,6 +247,11 @@ def worker(cfg) -> dict[str, Any]:
             )
         losses = []
         per_step = cfg.train.grad_accum
+
+        def run_state(done: int) -> dict[str, int]:  # what a resume must match, and where this rank's data stands
+            return {"train_steps": steps, "grad_accum": per_step, "data_position": done * per_step}
+
+        nonfinite = 0  # consecutive skipped steps
         for step in range(start_step, steps):
             batch = [my_rows[(step * per_step + i) % len(my_rows)] for i in range(per_step)]
             started = time.perf_counter()
@@ -291,12 +290,27 @@ def worker(cfg) -> dict[str, Any]:
                         + (" | SKIPPED (non-finite)" if skipped else ""),
                         flush=True,
                     )
+            nonfinite = nonfinite + 1 if skipped else 0  # skipped is the same on every rank (all-reduced)
+            if nonfinite >= cfg.train.max_nonfinite_steps:
+                _stop(
+                    rank,
+                    f"the loss or gradient norm was not finite for {nonfinite} consecutive steps (steps "
+                    f"{step + 2 - nonfinite}-{step + 1}, train.max_nonfinite_steps={cfg.train.max_nonfinite_steps}); "
+                    "lower train.lr, check the data, or resume from an earlier checkpoint",
+                )
             if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 and step + 1 < steps:
-                save_checkpoint(ckpt_dir, step + 1, model, optimizer, scheduler)
-        save_checkpoint(ckpt_dir, steps, model, optimizer, scheduler)
+                save_checkpoint(ckpt_dir, step + 1, model, optimizer, scheduler, run_state(step + 1))
+        save_checkpoint(ckpt_dir, steps, model, optimizer, scheduler, run_state(steps))
         export_dir = None
         if cfg.checkpoint.export_hf:
             export_dir = out_dir / "hf"
+            bad = nonfinite_parameters(model)
+            if bad:
+                _stop(
+                    rank,
+                    f"not exporting to {export_dir}: the weights hold inf or nan ({bad} tensor(s) on one rank) (the checkpoint of step "
+                    f"{steps} is saved); lower train.lr or train.max_nonfinite_steps",
+                )
             export_model(cfg, model, export_dir)  # collective: gathers the full weights onto rank 0
             if rank == 0:
                 tokenizer.save_pretrained(export_dir)
@@ -313,6 +327,16 @@ def worker(cfg) -> dict[str, Any]:
         return {"losses": losses, "checkpoint_dir": str(ckpt_dir)}
     finally:
         dist.destroy_process_group()
+
+
+def nonfinite_parameters(model) -> int:
+    """The most parameters (or FSDP shards of them) holding inf or nan on one rank; a collective, alike on all."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    count = torch.tensor([sum(int(not bool(torch.isfinite(t).all())) for t in local)], dtype=torch.int64)
+    device = local[0].device if local else torch.device("cpu")
+    count = count.to(device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
 
 
 def export_model(cfg, model, export_dir: Path) -> None:
@@ -337,84 +361,6 @@ def export_model(cfg, model, export_dir: Path) -> None:
         from safetensors.torch import save_file
 
         save_file({k: v.contiguous() for k, v in adapters.items()}, str(Path(export_dir) / "lora_adapters.safetensors"))
-
-
-def save_checkpoint(ckpt_dir: Path, step: int, model, optimizer, scheduler) -> None:
-    """torch.distributed.checkpoint of model, optimizer, scheduler, step and RNG (every rank writes its part)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
-    path = ckpt_dir / f"step-{step:06d}"
-    dcp.save(state, checkpoint_id=str(path))
-    extra = {"step": step, "scheduler": scheduler.state_dict(), "rng": rng_state()}
-    torch.save(extra, path / f"extra-rank{dist.get_rank()}.pt")
-    dist.barrier()
-    if dist.get_rank() == 0:
-        (ckpt_dir / "latest").write_text(path.name)
-
-
-def resume_checkpoint(cfg) -> Path | None:
-    """The checkpoint this run continues from: ``checkpoint.resume`` as a path, or with true the latest under
-    ``checkpoint_dir``; None for a fresh start (also true with no checkpoint yet)."""
-    resume = cfg.checkpoint.resume
-    if not resume:
-        return None
-    if isinstance(resume, str) and resume not in ("true", "latest"):
-        return Path(resume)
-    latest = cfg.checkpoint_dir / "latest"
-    return cfg.checkpoint_dir / latest.read_text().strip() if latest.exists() else None
-
-
-def check_resume(cfg, world: int) -> list[str]:
-    """Why the checkpoint to resume from cannot continue this run (empty: it can, or the run starts fresh): it must
-    be an sft-train checkpoint, written by as many ranks as this run has (each holds its rank's data position and
-    random state), and at a step not past ``train.steps`` (equal: a finished run, saved and exported again)."""
-    path = resume_checkpoint(cfg)
-    if path is None:
-        return []
-    if not (path / "extra-rank0.pt").is_file():
-        return [f"checkpoint.resume: {path} is not an sft-train checkpoint (no extra-rank0.pt in it)"]
-    problems = []
-    ranks = len(list(path.glob("extra-rank*.pt")))
-    if ranks != world:
-        problems.append(
-            f"checkpoint.resume: {path} was written by {ranks} rank(s) and this run has {world} (dp x cp); resume "
-            "with the layout that wrote it, or start fresh (checkpoint.resume = false)"
-        )
-    step = int(torch.load(path / "extra-rank0.pt", weights_only=False)["step"])
-    if step > cfg.train.steps:  # equal: a finished run, resumed to save and export again
-        problems.append(
-            f"checkpoint.resume: {path} is at step {step}, past train.steps={cfg.train.steps}; raise train.steps "
-            "to continue it"
-        )
-    return problems
-
-
-def maybe_resume(cfg, model, optimizer, scheduler) -> int:
-    """Load the checkpoint :func:`resume_checkpoint` names into the model, optimizer, scheduler and RNG; returns
-    its step (0: a fresh start)."""
-    path = resume_checkpoint(cfg)
-    if path is None:
-        if cfg.checkpoint.resume and dist.get_rank() == 0:
-            print(
-                f"[sft-train] checkpoint.resume: no checkpoint in {cfg.checkpoint_dir} yet; starting fresh", flush=True
-            )
-        return 0
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    extra = torch.load(path / f"extra-rank{dist.get_rank()}.pt", weights_only=False)
-    scheduler.load_state_dict(extra["scheduler"])
-    set_rng_state(extra["rng"])
-    if dist.get_rank() == 0:
-        print(f"[sft-train] resumed from {path} at step {extra['step']}", flush=True)
-    return int(extra["step"])
 
 
 def set_aside_previous_run(cfg) -> list[tuple[Path, Path]]:

@@ -151,16 +151,3 @@ class MetricsWriter:
                 f.write(json.dumps(record) + "\n")
         if self.wandb_run is not None:
             self.wandb_run.log(record, step=stats.step)
-
-
-def rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
