@@ -22,7 +22,8 @@ def fake_checkpoint(folder: Path, step: int, ranks: int, train_steps: int = 40, 
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({"x": torch.zeros(1)}, checkpoint_id=str(path))
-    state = {"step": step, "train_steps": train_steps, "grad_accum": grad_accum, "data_position": 0, "scheduler": {}}
+    state = {"step": step, "train_steps": train_steps, "grad_accum": grad_accum, "data_position": 0, "scheduler": {},
+             "world_size": ranks}  # fmt: skip
     for rank in range(ranks):
         write_extra_state(path, rank, state, rng_state())
     (folder / "latest").write_text(path.name)

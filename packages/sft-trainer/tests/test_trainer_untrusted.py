@@ -118,4 +118,17 @@ def test_a_checkpoint_missing_a_rank_or_metadata_is_named(tmp_path):
         "(Error while deserializing header: header too small)"
     ]
     (ckpt / "extra-rank1.json").unlink()
-    assert "was written by 1 rank(s) and this run has 2" in check_resume(cfg, world=2)[0]
+    assert check_resume(cfg, world=2) == [
+        f"checkpoint.resume: {ckpt} is incomplete: extra-rank1.json missing (resume from an earlier step)"
+    ]
+    ckpt = fake_checkpoint(tmp_path / "ckpt2", step=1, ranks=2, train_steps=40)
+    cfg = load_config(None, ["--checkpoint.resume", str(ckpt)])
+    shard = next(ckpt.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:3])
+    assert check_resume(cfg, world=2) == [
+        f"checkpoint.resume: {ckpt} is incomplete: {shard.name} truncated (resume from an earlier step)"
+    ]
+    shard.unlink()
+    assert check_resume(cfg, world=2) == [
+        f"checkpoint.resume: {ckpt} is incomplete: {shard.name} missing (resume from an earlier step)"
+    ]

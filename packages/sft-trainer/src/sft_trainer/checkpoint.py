@@ -15,6 +15,7 @@ import io
 import json
 import pickle
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -220,6 +221,9 @@ def save_checkpoint(ckpt_dir: Path, step: int, model, optimizer, scheduler, extr
             shutil.rmtree(path, ignore_errors=True)  # a partial step folder is never resumed; free its space
         latest = ckpt_dir / "latest"
         previous = f"latest still names {latest.read_text().strip()}" if latest.is_file() else "no earlier one"
+        if rank != 0 and (failed[1] > 0 or error is None):  # rank 0 says it once; the launcher ends the rest
+            time.sleep(2.0)
+            raise SystemExit(1)
         if failed[1] > 0:
             raise SystemExit(
                 f"sft-train: no space left on the device while saving checkpoint {path} (checkpoint.dir); the "
@@ -265,7 +269,18 @@ def check_resume(cfg, world: int) -> list[str]:
             else ""
         )
         return [f"checkpoint.resume: {path} is not an sft-train checkpoint (no extra-rank0.json in it){pickled}"]
-    ranks = len(list(path.glob("extra-rank*.json")))
+    present = sorted(
+        int(p.stem.removeprefix("extra-rank")) for p in path.glob("extra-rank*.json") if p.stem[10:].isdigit()
+    )
+    try:
+        written_by = read_extra_state(path, 0).get("world_size", len(present))
+    except CheckpointError as exc:
+        return [f"checkpoint.resume: {exc}"]
+    missing = [r for r in range(written_by) if r not in present]
+    if missing:
+        names = ", ".join(extra_path(path, r).name for r in missing)
+        return [f"checkpoint.resume: {path} is incomplete: {names} missing (resume from an earlier step)"]
+    ranks = len(present)
     if ranks != world:
         return [
             f"checkpoint.resume: {path} was written by {ranks} rank(s) and this run has {world} (dp x cp); resume "
@@ -276,9 +291,11 @@ def check_resume(cfg, world: int) -> list[str]:
         states = [read_extra_state(path, r) for r in range(world)]
         for r in range(world):
             read_rng_state(path, r)
-        read_dcp_metadata(path)
+        shards = shard_problems(path, read_dcp_metadata(path))
     except CheckpointError as exc:
         return [f"checkpoint.resume: {exc}"]
+    if shards:
+        return [f"checkpoint.resume: {path} is incomplete: {shards} (resume from an earlier step)"]
     state = states[0]
     train = cfg.train
     if state["train_steps"] != train.steps:
@@ -295,6 +312,19 @@ def check_resume(cfg, world: int) -> list[str]:
     if state["step"] > train.steps:
         problems.append(f"checkpoint.resume: {path} is at step {state['step']}, past train.steps={train.steps}")
     return problems
+
+
+def shard_problems(path: Path, metadata) -> str:
+    """The DCP data files the metadata names that are missing or shorter than it says ('' when none)."""
+    needed: dict[str, int] = {}
+    for info in getattr(metadata, "storage_data", {}).values():
+        name = str(info.relative_path)
+        needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+    missing = [n for n in sorted(needed) if not (path / n).is_file()]
+    short = [n for n in sorted(needed) if n not in missing and (path / n).stat().st_size < needed[n]]
+    parts = [f"{', '.join(missing)} missing"] if missing else []
+    parts += [f"{', '.join(short)} truncated"] if short else []
+    return "; ".join(parts)
 
 
 def maybe_resume(cfg, model, optimizer, scheduler) -> int:

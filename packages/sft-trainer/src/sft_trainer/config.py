@@ -322,7 +322,10 @@ class DataConfig(_Section):
         "for datasets with images; unset: the tokenizer folder when it holds one.",
     )
     seq_len: int = Field(
-        256, gt=0, description="Tokens per packed row (S); each of the cp ranks holds seq_len / cp of them."
+        256,
+        gt=0,
+        le=2**24,
+        description="Tokens per packed row (S, at most 2^24); each of the cp ranks holds seq_len / cp of them.",
     )
     overlong: Literal["truncate", "drop"] = Field(
         "truncate", description="A conversation longer than seq_len is truncated to seq_len, or dropped."
@@ -363,6 +366,18 @@ class ParallelConfig(_Section):
     )
     backend: Literal["gloo", "nccl", "auto"] = Field(
         "auto", description="torch.distributed backend; 'auto' = nccl when CUDA is available, else gloo."
+    )
+    collective_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="Process-group timeout: a rank waiting longer than this in a collective (another rank frozen, "
+        "stuck or dead) stops the run with an error instead of waiting forever (NCCL: see docs/sft-trainer.md).",
+    )
+    heartbeat_timeout_s: float = Field(
+        300.0,
+        ge=0,
+        description="Local workers (not torchrun): the launcher stops the run, naming the worker, when one has "
+        "not answered for this long (stopped by a signal, or stuck in native code); 0 disables.",
     )
     local_workers: int | None = Field(
         None,
@@ -431,7 +446,10 @@ class TrainingConfig(_Section):
 
     steps: int = Field(40, ge=1, description="Optimizer steps to run.")
     micro_batch_size: int = Field(
-        1, ge=1, description="Packed rows per rank per micro-batch; must be 1 under CP (cp > 1)."
+        1,
+        ge=1,
+        description="Packed rows per rank per micro-batch: must be 1 (a micro-batch is one packed row; more rows per step "
+        "come from grad_accum or dp).",
     )
     grad_accum: int = Field(1, ge=1, description="Micro-batches accumulated into each optimizer step.")
     lr: float = Field(3e-4, gt=0, le=1, description="Peak learning rate (AdamW moves a weight by up to lr a step).")
@@ -749,6 +767,9 @@ def _apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> list[str
         if not all(parts):
             problems.append(f"bad override key {key!r}; write --section.key VALUE")
             continue
+        if "\n" in raw or "\r" in raw:
+            problems.append(f"--{key}={raw!r}: a value must be one line (it holds a line break)")
+            continue
         cls: type[BaseModel] = TrainConfig
         node = data
         for depth, part in enumerate(parts):
@@ -959,10 +980,10 @@ def check_config(cfg: TrainConfig) -> list[str]:
             f"data.seq_len={data.seq_len} must be divisible by parallel.cp={par.cp} (each CP rank holds seq_len/cp "
             "tokens)"
         )
-    if par.cp > 1 and train.micro_batch_size != 1:
+    if train.micro_batch_size != 1:
         problems.append(
-            f"train.micro_batch_size={train.micro_batch_size} must be 1 when parallel.cp={par.cp} > 1 (a CP "
-            "micro-batch is one packed row; raise train.grad_accum or parallel.dp instead)"
+            f"train.micro_batch_size={train.micro_batch_size} must be 1 (a micro-batch is one packed row; raise "
+            "train.grad_accum or parallel.dp for more rows per step)"
         )
     if par.local_workers is not None:
         if par.local_workers % par.cp:
@@ -1020,6 +1041,8 @@ def config_from_dict(data: Mapping[str, Any], source: str | None = None) -> Trai
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        raise ConfigError(f"config file {str(path)!r} is a folder; --config names a TOML file")
     if not path.is_file():
         shipped = CONFIGS_DIR / f"{path.name}.toml" if path.suffix != ".toml" else CONFIGS_DIR / path.name
         if len(path.parts) == 1 and shipped.is_file():

@@ -13,11 +13,12 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from cp_core import CPTopology
 from sft_trainer.checkpoint import check_resume, maybe_resume, resume_checkpoint, save_checkpoint
+from sft_trainer.run_folder import hold_run_folders, output_problems
 from sft_trainer.train import MetricsWriter, StepStats, lr_lambda, train_step
+from sft_trainer.watchdog import collective_timeout, is_collective_timeout, run_workers, start_beating
 
 
 def _free_port() -> int:
@@ -38,17 +39,13 @@ def launch(cfg) -> None:
         run_worker_then_exit(cfg)
     dp, cp = world_layout(cfg)
     world = dp * cp
-    port = _free_port()
-    try:
-        mp.spawn(_spawned, args=(cfg, world, port), nprocs=world, join=True)
-    except mp.ProcessExitedException as exc:  # a worker stopped; its message or traceback is printed above
-        if exc.signal_name:  # killed, not stopped: say by what (SIGKILL is most often the out-of-memory killer)
-            hint = " (most often the out-of-memory killer: see dmesg)" if exc.signal_name == "SIGKILL" else ""
-            raise SystemExit(f"sft-train: worker {exc.error_index} was killed by {exc.signal_name}{hint}") from None
-        raise SystemExit(f"sft-train: stopped (worker {exc.error_index} exited with code {exc.exit_code})") from None
+    # a worker that stops prints its message or traceback; the launcher adds which worker and how it ended
+    run_workers(_spawned, (cfg, world, _free_port()), world, cfg.parallel.heartbeat_timeout_s)
 
 
-def _spawned(rank: int, cfg, world: int, port: int) -> None:
+def _spawned(rank: int, cfg, world: int, port: int, beats=None) -> None:
+    if beats is not None:
+        start_beating(beats, rank)
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
@@ -73,8 +70,16 @@ def run_worker_then_exit(cfg) -> NoReturn:
             code = 1
     except KeyboardInterrupt:  # Ctrl-C reaches every worker: no traceback per process
         code = 130
-    except BaseException:
-        traceback.print_exc()
+    except BaseException as exc:
+        if is_collective_timeout(exc):
+            rank = os.environ.get("RANK", "?")
+            print(
+                f"sft-train: rank {rank}: a collective timed out after {cfg.parallel.collective_timeout_s:g} s "
+                "(parallel.collective_timeout_s): another rank stopped answering (frozen, stuck or dead)",
+                file=sys.stderr,
+            )
+        else:
+            traceback.print_exc()
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()
@@ -148,7 +153,10 @@ def build_model(cfg, tokenizer, device: torch.device, mesh, topology: CPTopology
         check_vision_tokens(hf_config, tokenizer)
         model_class, kwargs["vision_cp"] = Qwen35VLForConditionalGeneration, cfg.model.vision_cp
     if cfg.model.path:
-        model = model_class.from_pretrained(cfg.model.path, dtype=storage_dtype, **kwargs)
+        try:
+            model = model_class.from_pretrained(cfg.model.path, dtype=storage_dtype, **kwargs)
+        except Exception as exc:  # missing, truncated or mis-shaped weights: alike on every rank
+            _stop(dist.get_rank(), f"model.path={cfg.model.path!r} does not load: {_one_line(exc)}")
     else:  # random init from a config file or the preset (the preset takes the tokenizer's vocabulary)
         torch.manual_seed(cfg.train.seed)
         model = model_class(hf_config, **kwargs).to(storage_dtype)
@@ -178,6 +186,12 @@ def _memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def _one_line(exc: BaseException, limit: int = 600) -> str:
+    """``Type: message`` of ``exc`` on one line, cut at ``limit`` characters."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _stop(rank: int, message: str) -> NoReturn:
     """End this worker over a user-facing problem every rank meets alike: one clean line from rank 0, no traceback.
     Rank 0 prints at once; the others wait a moment first, since the launcher stops every worker when one ends."""
@@ -196,7 +210,9 @@ def worker(cfg) -> dict[str, Any]:
 
     device, backend = _device_and_backend(cfg)
     dp, cp = world_layout(cfg)
-    dist.init_process_group(backend)
+    # the mesh's subgroups take torch's default timeout, not the default group's: set that one too
+    dist.distributed_c10d.default_pg_timeout = dist.distributed_c10d.default_pg_nccl_timeout = collective_timeout(cfg)
+    dist.init_process_group(backend, timeout=collective_timeout(cfg))
     try:
         rank = dist.get_rank()
         mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
@@ -215,6 +231,24 @@ def worker(cfg) -> dict[str, Any]:
             from sft_trainer.data import load_image_processor
 
             image_processor = load_image_processor(cfg.processor_path)
+        try:  # the data first: its mistakes show in seconds, before any weight loads
+            rows, data_stats = build_training_rows(
+                cfg, tokenizer, image_processor=image_processor, group=topology.group
+            )
+        except DataError as exc:
+            _stop(rank, f"data.path={str(cfg.data_path)!r}: {exc}")
+        except Exception as exc:
+            if type(exc).__module__.startswith(
+                "jinja2"
+            ):  # the chat template fails to render, or the sandbox refuses it
+                _stop(rank, f"data.tokenizer={str(cfg.tokenizer_path)!r}: its chat template fails: {_one_line(exc)}")
+            raise
+        if data_stats.loss_tokens == 0:
+            _stop(
+                rank,
+                f"data.path={str(cfg.data_path)!r}: no packed row holds a loss token ({data_stats}); nothing would be "
+                "learned: raise data.seq_len or check that the conversations have assistant replies",
+            )
         model = build_model(cfg, tokenizer, device, mesh, topology)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(
@@ -224,19 +258,13 @@ def worker(cfg) -> dict[str, Any]:
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: lr_lambda(s, warmup, steps, cfg.train.decay, cfg.train.min_lr_ratio)
         )
-        try:
-            rows, data_stats = build_training_rows(
-                cfg, tokenizer, image_processor=image_processor, group=topology.group
-            )
-        except DataError as exc:
-            _stop(rank, f"data.path={str(cfg.data_path)!r}: {exc}")
         my_rows = rows[mesh.get_local_rank("dp") :: dp]
         if not my_rows:
             raise SystemExit(f"no packed rows for dp rank {mesh.get_local_rank('dp')} ({len(rows)} rows for dp={dp})")
         out_dir = Path(cfg.output_dir)
         ckpt_dir = cfg.checkpoint_dir
         start_step = maybe_resume(cfg, model, optimizer, scheduler)
-        metrics = MetricsWriter(cfg.metrics_path if rank == 0 else None, fresh=start_step == 0)
+        metrics = MetricsWriter(cfg.metrics_path if rank == 0 else None, fresh=start_step == 0, resumed_at=start_step)
         wandb_run = start_wandb(cfg) if rank == 0 else None
         metrics.wandb_run = wandb_run
         if rank == 0:
@@ -249,7 +277,12 @@ def worker(cfg) -> dict[str, Any]:
         per_step = cfg.train.grad_accum
 
         def run_state(done: int) -> dict[str, int]:  # what a resume must match, and where this rank's data stands
-            return {"train_steps": steps, "grad_accum": per_step, "data_position": done * per_step}
+            return {
+                "train_steps": steps,
+                "grad_accum": per_step,
+                "data_position": done * per_step,
+                "world_size": dp * cp,
+            }
 
         nonfinite = 0  # consecutive skipped steps
         for step in range(start_step, steps):
@@ -422,6 +455,17 @@ RUN_USAGE = (
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run :func:`start`; under torchrun a problem found before training is said by rank 0 alone (every rank
+    finds it), the others exit with the same code."""
+    try:
+        start(argv)
+    except SystemExit as exc:
+        if os.environ.get("RANK", "0") != "0" and isinstance(exc.code, str):
+            raise SystemExit(1) from None
+        raise
+
+
+def start(argv: list[str] | None = None) -> None:
     """``sft-train [--config FILE.toml] [--section.key VALUE ...]``: validate the config, then train.
 
     ``sft-train plan [--config FILE.toml] [--section.key VALUE ...] [--json]`` prints the run's CP traffic, memory
@@ -450,9 +494,38 @@ def main(argv: list[str] | None = None) -> None:
     problems = check_resume(cfg, dp * cp)
     if problems:
         raise SystemExit("sft-train: cannot resume:\n" + "\n".join(f"  - {p}" for p in problems))
+    problems = output_problems(cfg) + runtime_problems(cfg)
+    if problems:
+        raise SystemExit("\n".join(f"sft-train: {p}" for p in problems))
+    if os.environ.get("RANK", "0") == "0":  # the launcher, or torchrun's rank 0: holds the folders until it ends
+        hold_run_folders(cfg)
     if _backend(cfg) == "nccl" and os.environ.get("RANK", "0") == "0":  # a GPU run
         warn_when_plan_does_not_fit(cfg)
     launch(cfg)
+
+
+def runtime_problems(cfg) -> list[str]:
+    """What this machine lacks for ``cfg`` (a GPU for NCCL or a CUDA kernel, an optional package), one line each."""
+    import importlib.util
+
+    problems = []
+    cuda = torch.cuda.is_available()
+    if cfg.parallel.backend == "nccl" and not cuda:
+        problems.append("parallel.backend='nccl' needs CUDA GPUs and none is visible; use 'gloo' or 'auto' on CPU")
+    for field, value, package in (
+        ("model.attention_backend", cfg.model.attention_backend, "flash_attn"),
+        ("model.recurrent_backend", cfg.model.recurrent_backend, "fla"),
+    ):
+        if value == package:
+            if not cuda:
+                problems.append(f"{field}={value!r} runs on CUDA GPUs only and none is visible; use 'auto' or 'torch'")
+            elif importlib.util.find_spec(package) is None:
+                problems.append(f"{field}={value!r} needs the {package} package, which is not installed; use 'auto'")
+    if cfg.logging.wandb.enabled and importlib.util.find_spec("wandb") is None:
+        problems.append(
+            "logging.wandb.enabled=true but wandb is not installed: pip install sft-trainer[wandb], or set it false"
+        )
+    return problems
 
 
 def _backend(cfg) -> str:

@@ -125,15 +125,26 @@ def train_step(
     return loss_sum.item() / max(tokens, 1), tokens, float(grad_norm), skipped
 
 
+def _step_of(line: str) -> float:
+    """The step of a metrics record (a line that is not one sorts last, so a resume drops it)."""
+    try:
+        return float(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
 class MetricsWriter:
     """JSONL metrics (always) and wandb (when configured) from rank 0."""
 
-    def __init__(self, path: Path | None, wandb_run=None, fresh: bool = True):
+    def __init__(self, path: Path | None, wandb_run=None, fresh: bool = True, resumed_at: int = 0):
         self.path, self.wandb_run = path, wandb_run
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             if fresh:  # a new run starts a new file; a resumed one appends
                 path.write_text("")
+            elif path.exists():  # steps after the checkpoint run again: keep one record per step
+                kept = [line for line in path.read_text().splitlines() if _step_of(line) <= resumed_at]
+                path.write_text("".join(f"{line}\n" for line in kept))
 
     def write(self, stats: StepStats) -> None:
         record = {
