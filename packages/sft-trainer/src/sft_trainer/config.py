@@ -334,6 +334,11 @@ class DataConfig(_Section):
         "raise", description="A malformed record stops the run ('raise') or is skipped and counted ('skip')."
     )
     seed: int = Field(0, ge=0, lt=2**63, description="Seed of the dataset shuffle and packing order.")
+    image_paths_outside: bool = Field(
+        False,
+        description="Image paths in a data file resolve against its folder and must stay inside it (no absolute "
+        "path, no '..' leading out); true allows any path the process can read.",
+    )
 
 
 class ParallelConfig(_Section):
