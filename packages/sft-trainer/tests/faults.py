@@ -28,6 +28,18 @@ if _fault:
             return _train_step(model, *args, **kwargs)
 
         run.train_step = train_step
+    elif _fault.startswith("sigkill_rank1_at_step_"):  # rank 1 dies (SIGKILL) as this step starts
+        _train_step, _calls, _step = run.train_step, [0], int(_fault.rsplit("_", 1)[1])
+
+        def train_step(*args, **kwargs):
+            _calls[0] += 1
+            if _calls[0] == _step and os.environ.get("RANK") == "1":
+                import signal
+
+                os.kill(os.getpid(), signal.SIGKILL)
+            return _train_step(*args, **kwargs)
+
+        run.train_step = train_step
     elif _fault.startswith("enospc_at_step_"):  # the disk fills while this step's checkpoint is written
         _write = checkpoint.write_extra_state
         _step = int(_fault.rsplit("_", 1)[1])

@@ -91,3 +91,19 @@ def test_a_fresh_run_sets_an_earlier_run_aside(tmp_path, capsys):
     (out / "metrics.jsonl").write_text('{"step": 2}\n')
     (out / "checkpoints").mkdir()
     assert [new.name for _, new in set_aside_previous_run(cfg)] == ["metrics.2.jsonl"]
+
+
+def test_a_resumed_run_keeps_one_metrics_record_per_step(tmp_path):
+    """A run crashed after step 5 and resumed from the checkpoint of step 3: the records of steps 4 and 5 (and a
+    line cut by the crash) go, the replayed steps are written once."""
+    from sft_trainer.train import MetricsWriter, StepStats
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 6)) + '{"step": 6, "lo')
+    writer = MetricsWriter(path, fresh=False, resumed_at=3)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+    for step in (4, 5):
+        writer.write(StepStats(step, 0.5, 10, 1.0, 1e-3, 0.1))
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
+    MetricsWriter(path, fresh=True)
+    assert path.read_text() == ""
