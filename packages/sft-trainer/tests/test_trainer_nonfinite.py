@@ -31,6 +31,8 @@ def _float_fields() -> list[str]:
 
 def test_every_float_field_is_covered():
     assert sorted(_float_fields()) == [
+        "parallel.collective_timeout_s",
+        "parallel.heartbeat_timeout_s",
         "train.betas",
         "train.lora.alpha",
         "train.lora.dropout",
