@@ -58,9 +58,9 @@ def read_extra_state(path: Path, rank: int) -> dict[str, Any]:
         raise CheckpointError(f"{file}: not readable as sft-train's JSON state ({type(exc).__name__}: {exc})") from None
     if not isinstance(state, dict) or state.get("format") != EXTRA_FORMAT:
         raise CheckpointError(f'{file}: not an sft-train state file (no "format": {EXTRA_FORMAT!r})')
-    for key in ("step", "train_steps", "grad_accum"):
-        if not isinstance(state.get(key), int) or isinstance(state.get(key), bool) or state[key] < 0:
-            raise CheckpointError(f"{file}: {key!r} must be a non-negative integer, got {state.get(key)!r}")
+    for key, least in (("step", 0), ("train_steps", 1), ("grad_accum", 1), ("world_size", 1)):
+        if not isinstance(state.get(key), int) or isinstance(state.get(key), bool) or state[key] < least:
+            raise CheckpointError(f"{file}: {key!r} must be an integer >= {least}, got {state.get(key)!r}")
     if not isinstance(state.get("scheduler"), dict):
         raise CheckpointError(f"{file}: 'scheduler' must be an object, got {state.get('scheduler')!r}")
     return state
@@ -269,16 +269,15 @@ def check_resume(cfg, world: int) -> list[str]:
             else ""
         )
         return [f"checkpoint.resume: {path} is not an sft-train checkpoint (no extra-rank0.json in it){pickled}"]
-    present = sorted(
-        int(p.stem.removeprefix("extra-rank")) for p in path.glob("extra-rank*.json") if p.stem[10:].isdigit()
-    )
+    ranks = [p.stem.removeprefix("extra-rank") for p in path.glob("extra-rank*.json")]
+    present = {int(r) for r in ranks if r.isdigit()}
     try:
-        written_by = read_extra_state(path, 0).get("world_size", len(present))
+        written_by = read_extra_state(path, 0)["world_size"]
     except CheckpointError as exc:
         return [f"checkpoint.resume: {exc}"]
     missing = [r for r in range(written_by) if r not in present]
     if missing:
-        names = ", ".join(extra_path(path, r).name for r in missing)
+        names = ", ".join(extra_path(path, r).name for r in missing[:4]) + (", ..." if len(missing) > 4 else "")
         return [f"checkpoint.resume: {path} is incomplete: {names} missing (resume from an earlier step)"]
     ranks = len(present)
     if ranks != world:

@@ -238,9 +238,8 @@ def worker(cfg) -> dict[str, Any]:
         except DataError as exc:
             _stop(rank, f"data.path={str(cfg.data_path)!r}: {exc}")
         except Exception as exc:
-            if type(exc).__module__.startswith(
-                "jinja2"
-            ):  # the chat template fails to render, or the sandbox refuses it
+            # jinja2's TemplateError: the chat template fails to render, or its sandbox refuses what it does
+            if type(exc).__module__.startswith("jinja2"):
                 _stop(rank, f"data.tokenizer={str(cfg.tokenizer_path)!r}: its chat template fails: {_one_line(exc)}")
             raise
         if data_stats.loss_tokens == 0:
@@ -341,8 +340,8 @@ def worker(cfg) -> dict[str, Any]:
             if bad:
                 _stop(
                     rank,
-                    f"not exporting to {export_dir}: the weights hold inf or nan ({bad} tensor(s) on one rank) (the checkpoint of step "
-                    f"{steps} is saved); lower train.lr or train.max_nonfinite_steps",
+                    f"not exporting to {export_dir}: the weights hold inf or nan ({bad} tensor(s) on one rank; "
+                    f"the checkpoint of step {steps} is saved); lower train.lr or train.max_nonfinite_steps",
                 )
             export_model(cfg, model, export_dir)  # collective: gathers the full weights onto rank 0
             if rank == 0:

@@ -53,7 +53,7 @@ def is_collective_timeout(exc: BaseException) -> bool:
     """Whether ``exc`` is a process group's timeout (gloo: "Timed out waiting ...", NCCL: "Watchdog caught
     collective operation timeout", the store: "timeout")."""
     text = str(exc)
-    return isinstance(exc, RuntimeError) and ("Timed out" in text or "timed out" in text or "timeout" in text.lower())
+    return isinstance(exc, RuntimeError) and any(k in text for k in ("Timed out", "timed out", "operation timeout"))
 
 
 def _end(processes: list, first: Any | None = None) -> None:
