@@ -141,9 +141,9 @@ INVALID = [
         ["data.seq_len=250", "divisible by parallel.cp=4"],
     ),
     (
-        "micro_batch_2_with_cp_2",
-        ["--train.micro_batch_size", "2", "--parallel.cp", "2"],
-        ["train.micro_batch_size=2", "must be 1 when parallel.cp=2"],
+        "micro_batch_2",
+        ["--train.micro_batch_size", "2", "--parallel.cp", "1"],
+        ["train.micro_batch_size=2", "must be 1 (a micro-batch is one packed row"],
     ),
     (
         "q_heads_not_divisible_by_cp",
@@ -176,7 +176,7 @@ INVALID = [
         {"parallel": {"tp": 2}},
         [
             "unknown key 'parallel.tp'",
-            "valid keys in [parallel]: dp, cp, cp_style, attention_cp, fsdp, backend, local_workers",
+            "valid keys in [parallel]: dp, cp, cp_style, attention_cp, fsdp, backend, collective_timeout_s, heartbeat_timeout_s, local_workers",
         ],
     ),
     (

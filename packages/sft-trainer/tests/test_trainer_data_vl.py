@@ -452,6 +452,20 @@ def test_image_paths_resolve_next_to_the_data_file(tmp_path, tokenizer, processo
     assert torch.equal(in_memory[0].pixel_values, reference.pixel_values)
 
 
+def test_image_paths_may_not_leave_the_data_folder(tmp_path, tokenizer, processor):
+    """Absolute paths and '..' (or a symlink) leading out of the data file's folder are refused naming the row,
+    unless image_paths_outside allows them; the same picture inside the folder loads."""
+    (tmp_path / "data").mkdir()
+    shutil.copy(image_path(5), tmp_path / "outside.png")
+    (tmp_path / "data" / "link.png").symlink_to(tmp_path / "outside.png")
+    for given in (str(tmp_path / "outside.png"), "../outside.png", "link.png"):
+        data = _jsonl(tmp_path / "data" / "d.jsonl", conversation(given, "What?"))
+        with pytest.raises(DataError, match=r"d\.jsonl: row 1: .*image path .* leads outside the dataset's folder"):
+            PackedDataset.build(data, tokenizer, 128, image_processor=processor)
+        dataset = PackedDataset.build(data, tokenizer, 128, image_processor=processor, image_paths_outside=True)
+        assert dataset.stats.documents == 1 and len(dataset[0].image_grid_thw) == 1
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Errors
 
@@ -479,7 +493,9 @@ def _tokenizer_with_template(tmp_path: Path, tokenizer, image_markup: str):
 
 def test_row_errors_name_file_row_and_image_or_are_skipped(tmp_path, tokenizer, processor):
     (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
-    good = conversation(image_path(0))
+    shutil.copy(image_path(0), tmp_path / "good.png")  # images inside the data file's folder
+    shutil.copy(image_path(1), tmp_path / "other.png")
+    good = conversation("good.png")
     garbage = "data:image/png;base64," + base64.b64encode(b"not an image").decode()
     cases = [
         (
@@ -498,7 +514,7 @@ def test_row_errors_name_file_row_and_image_or_are_skipped(tmp_path, tokenizer, 
             r"row 2: messages\[0\] \(user\) text holds the image placeholder token '<\|image_pad\|>'",
         ),
         (
-            conversation(image_path(1), answer="<|vision_end|>"),
+            conversation("other.png", answer="<|vision_end|>"),
             r"row 2: messages\[1\] \(assistant\) text holds .*<\|vision_end\|>",
         ),
     ]

@@ -3,49 +3,59 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
+from sft_trainer.checkpoint import rng_state, write_extra_state
 from sft_trainer.config import load_config, tiny_qwen35_config
 from sft_trainer.run import check_resume, main, resume_checkpoint, set_aside_previous_run
 
 
-def fake_checkpoint(folder: Path, step: int, ranks: int) -> Path:
-    """The per-rank files of an sft-train checkpoint at ``step`` written by ``ranks`` ranks (no weights needed)."""
+def fake_checkpoint(folder: Path, step: int, ranks: int, train_steps: int = 40, grad_accum: int = 2) -> Path:
+    """The files of an sft-train checkpoint at ``step`` written by ``ranks`` ranks (a one-tensor DCP state)."""
+    import torch.distributed.checkpoint as dcp
+
     path = folder / f"step-{step:06d}"
-    path.mkdir(parents=True)
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"x": torch.zeros(1)}, checkpoint_id=str(path))
+    state = {"step": step, "train_steps": train_steps, "grad_accum": grad_accum, "data_position": 0, "scheduler": {},
+             "world_size": ranks}  # fmt: skip
     for rank in range(ranks):
-        torch.save({"step": step, "scheduler": {}, "rng": None}, path / f"extra-rank{rank}.pt")
+        write_extra_state(path, rank, state, rng_state())
     (folder / "latest").write_text(path.name)
     return path
 
 
 def test_resume_checks_name_the_step_the_layout_and_a_foreign_folder(tmp_path):
     ckpt = fake_checkpoint(tmp_path / "out" / "checkpoints", step=14, ranks=2)
-    cfg = load_config(None, ["--output_dir", str(tmp_path / "out"), "--checkpoint.resume", "true"])
+    base = ["--output_dir", str(tmp_path / "out"), "--checkpoint.resume", "true"]
+    cfg = load_config(None, base)
     assert resume_checkpoint(cfg) == ckpt
-    assert cfg.train.steps > 14 and check_resume(cfg, world=2) == []  # a checkpoint this run can continue
-    cfg = load_config(None, ["--output_dir", str(tmp_path / "out"), "--checkpoint.resume", "true", "--train.steps", "5",
-                             "--train.warmup_steps", "1"])  # fmt: skip
+    assert cfg.train.steps == 40 and check_resume(cfg, world=2) == []  # a checkpoint this run can continue
     assert check_resume(cfg, world=4) == [
         f"checkpoint.resume: {ckpt} was written by 2 rank(s) and this run has 4 (dp x cp); resume with the layout "
         "that wrote it, or start fresh (checkpoint.resume = false)",
-        f"checkpoint.resume: {ckpt} is at step 14, past train.steps=5; raise train.steps to continue it",
     ]
-    with pytest.raises(SystemExit, match=r"sft-train: cannot resume:\n  - checkpoint\.resume: .* is at step 14"):
+    cfg = load_config(None, [*base, "--train.steps", "5", "--train.warmup_steps", "1", "--train.grad_accum", "1"])
+    assert check_resume(cfg, world=2) == [
+        f"checkpoint.resume: {ckpt} was trained with train.steps=40 and this run sets train.steps=5, which would "
+        "change its learning-rate schedule; resume with train.steps=40, or start a new run from its HF export "
+        "(model.path)",
+        f"checkpoint.resume: {ckpt} was trained with train.grad_accum=2 and this run sets 1, which would change the "
+        "data order; resume with train.grad_accum=2",
+        f"checkpoint.resume: {ckpt} is at step 14, past train.steps=5",
+    ]
+    with pytest.raises(SystemExit, match=r"sft-train: cannot resume:\n  - checkpoint\.resume: .* train\.steps=40"):
         main(["--output_dir", str(tmp_path / "out"), "--checkpoint.resume", "latest", "--train.steps", "13"])
-    # a finished run (step == train.steps) may be resumed: it saves and exports again
-    cfg = load_config(
-        None, ["--output_dir", str(tmp_path / "out"), "--checkpoint.resume", "true", "--train.steps", "14"]
-    )
-    assert check_resume(cfg, world=2) == []
     other = tmp_path / "other"
     other.mkdir()
     cfg = load_config(None, ["--checkpoint.resume", str(other)])
     assert check_resume(cfg, world=2) == [
-        f"checkpoint.resume: {other} is not an sft-train checkpoint (no extra-rank0.pt in it)"
+        f"checkpoint.resume: {other} is not an sft-train checkpoint (no extra-rank0.json in it)"
     ]
     # true with no checkpoint yet: a fresh start, nothing to check
     cfg = load_config(None, ["--output_dir", str(tmp_path / "empty"), "--checkpoint.resume", "true"])
@@ -63,7 +73,7 @@ def test_a_fresh_run_sets_an_earlier_run_aside(tmp_path, capsys):
     (out / "notes.txt").write_text("mine")  # not a run output: stays
     moves = set_aside_previous_run(cfg)
     assert sorted(new.name for _, new in moves) == ["checkpoints.1", "hf.1", "metrics.1.jsonl"]
-    assert (out / "checkpoints.1" / "step-000040" / "extra-rank1.pt").is_file()
+    assert (out / "checkpoints.1" / "step-000040" / "extra-rank1.json").is_file()
     assert (out / "metrics.1.jsonl").read_text() == '{"step": 1}\n' and (out / "hf.1" / "config.json").is_file()
     assert not (out / "checkpoints").exists() and (out / "notes.txt").read_text() == "mine"
     assert "an earlier run's outputs were here; moved aside" in capsys.readouterr().out
@@ -81,3 +91,19 @@ def test_a_fresh_run_sets_an_earlier_run_aside(tmp_path, capsys):
     (out / "metrics.jsonl").write_text('{"step": 2}\n')
     (out / "checkpoints").mkdir()
     assert [new.name for _, new in set_aside_previous_run(cfg)] == ["metrics.2.jsonl"]
+
+
+def test_a_resumed_run_keeps_one_metrics_record_per_step(tmp_path):
+    """A run crashed after step 5 and resumed from the checkpoint of step 3: the records of steps 4 and 5 (and a
+    line cut by the crash) go, the replayed steps are written once."""
+    from sft_trainer.train import MetricsWriter, StepStats
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 6)) + '{"step": 6, "lo')
+    writer = MetricsWriter(path, fresh=False, resumed_at=3)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+    for step in (4, 5):
+        writer.write(StepStats(step, 0.5, 10, 1.0, 1e-3, 0.1))
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
+    MetricsWriter(path, fresh=True)
+    assert path.read_text() == ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -38,6 +39,29 @@ def _train(out: Path, *overrides: str, torchrun_procs: int = 0) -> list[dict]:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = (out / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
+
+
+def sft_train(*args: str, timeout: float = 300, **popen) -> tuple[subprocess.CompletedProcess, float]:
+    """``sft-train ARGS`` in a subprocess, whatever its exit: the finished process and its wall time in seconds."""
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", "from sft_trainer.run import main; main()", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **popen,
+    )
+    return proc, time.monotonic() - started
+
+
+def one_line_failure(proc: subprocess.CompletedProcess, code: int = 1) -> str:
+    """The single ``sft-train: ...`` line a failed run printed (asserting: that code, no traceback, said once)."""
+    assert proc.returncode == code, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("sft-train: ")]
+    lines = [line for line in lines if not line.startswith("sft-train: stopped (worker")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    return lines[0]
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:

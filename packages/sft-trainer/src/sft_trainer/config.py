@@ -249,7 +249,8 @@ def model_family(hf_config) -> str:
 class _Section(BaseModel):
     # strict: TOML and the override parser give real ints, floats, bools and strings, so "10" for an int or 1
     # for a bool is a mistake to report, not a value to coerce (ints are still accepted for floats).
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # allow_inf_nan=False: every float must be finite (an infinite lr trained a model of NaNs and exited 0).
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -325,7 +326,10 @@ class DataConfig(_Section):
         "for datasets with images; unset: the tokenizer folder when it holds one.",
     )
     seq_len: int = Field(
-        256, gt=0, description="Tokens per packed row (S); each of the cp ranks holds seq_len / cp of them."
+        256,
+        gt=0,
+        le=2**24,
+        description="Tokens per packed row (S, at most 2^24); each of the cp ranks holds seq_len / cp of them.",
     )
     overlong: Literal["truncate", "drop"] = Field(
         "truncate", description="A conversation longer than seq_len is truncated to seq_len, or dropped."
@@ -333,7 +337,12 @@ class DataConfig(_Section):
     on_error: Literal["raise", "skip"] = Field(
         "raise", description="A malformed record stops the run ('raise') or is skipped and counted ('skip')."
     )
-    seed: int = Field(0, description="Seed of the dataset shuffle and packing order.")
+    seed: int = Field(0, ge=0, lt=2**63, description="Seed of the dataset shuffle and packing order.")
+    image_paths_outside: bool = Field(
+        False,
+        description="Image paths in a data file resolve against its folder and must stay inside it (no absolute "
+        "path, no '..' leading out); true allows any path the process can read.",
+    )
 
 
 class ParallelConfig(_Section):
@@ -366,6 +375,18 @@ class ParallelConfig(_Section):
     )
     backend: Literal["gloo", "nccl", "auto"] = Field(
         "auto", description="torch.distributed backend; 'auto' = nccl when CUDA is available, else gloo."
+    )
+    collective_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="Process-group timeout: a rank waiting longer than this in a collective (another rank frozen, "
+        "stuck or dead) stops the run with an error instead of waiting forever (NCCL: see docs/sft-trainer.md).",
+    )
+    heartbeat_timeout_s: float = Field(
+        300.0,
+        ge=0,
+        description="Local workers (not torchrun): the launcher stops the run, naming the worker, when one has "
+        "not answered for this long (stopped by a signal, or stuck in native code); 0 disables.",
     )
     local_workers: int | None = Field(
         None,
@@ -434,10 +455,13 @@ class TrainingConfig(_Section):
 
     steps: int = Field(40, ge=1, description="Optimizer steps to run.")
     micro_batch_size: int = Field(
-        1, ge=1, description="Packed rows per rank per micro-batch; must be 1 under CP (cp > 1)."
+        1,
+        ge=1,
+        description="Packed rows per rank per micro-batch: must be 1 (a micro-batch is one packed row; more rows per step "
+        "come from grad_accum or dp).",
     )
     grad_accum: int = Field(1, ge=1, description="Micro-batches accumulated into each optimizer step.")
-    lr: float = Field(3e-4, gt=0, description="Peak learning rate.")
+    lr: float = Field(3e-4, gt=0, le=1, description="Peak learning rate (AdamW moves a weight by up to lr a step).")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of `lr`.")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps (at most `steps`).")
     decay: Literal["cosine", "linear", "constant"] = Field(
@@ -448,8 +472,16 @@ class TrainingConfig(_Section):
     max_grad_norm: float = Field(1.0, ge=0, description="Clip the global gradient norm to this; 0 disables clipping.")
     seed: int = Field(
         0,
+        ge=0,
+        lt=2**63,
         description="Seed of the weight init (random-init models), the LoRA adapters' init (the same on every rank) "
         "and LoRA dropout. The data order has its own seed, data.seed.",
+    )
+    max_nonfinite_steps: int = Field(
+        3,
+        ge=1,
+        description="Stop with an error after this many consecutive steps whose loss or gradient norm is not "
+        "finite (each such step is skipped on every rank).",
     )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters ([train.lora]).")
 
@@ -625,6 +657,8 @@ def _format_validation_error(exc: ValidationError) -> list[str]:
             msg = "required"
         elif err["type"] in ("bool_type", "bool_parsing"):
             msg = "must be true or false"
+        elif err["type"] == "finite_number":
+            msg = "must be a finite number (inf and nan are refused)"
         merged.setdefault(key, [])
         if msg not in merged[key]:
             merged[key].append(msg)
@@ -762,6 +796,9 @@ def _apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> list[str
         parts = key.split(".")
         if not all(parts):
             problems.append(f"bad override key {key!r}; write --section.key VALUE")
+            continue
+        if "\n" in raw or "\r" in raw:
+            problems.append(f"--{key}={raw!r}: a value must be one line (it holds a line break)")
             continue
         cls: type[BaseModel] = TrainConfig
         node = data
@@ -975,10 +1012,10 @@ def check_config(cfg: TrainConfig) -> list[str]:
             f"data.seq_len={data.seq_len} must be divisible by parallel.cp={par.cp} (each CP rank holds seq_len/cp "
             "tokens)"
         )
-    if par.cp > 1 and train.micro_batch_size != 1:
+    if train.micro_batch_size != 1:
         problems.append(
-            f"train.micro_batch_size={train.micro_batch_size} must be 1 when parallel.cp={par.cp} > 1 (a CP "
-            "micro-batch is one packed row; raise train.grad_accum or parallel.dp instead)"
+            f"train.micro_batch_size={train.micro_batch_size} must be 1 (a micro-batch is one packed row; raise "
+            "train.grad_accum or parallel.dp for more rows per step)"
         )
     if par.local_workers is not None:
         if par.local_workers % par.cp:
@@ -1065,6 +1102,8 @@ def config_from_dict(data: Mapping[str, Any], source: str | None = None) -> Trai
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        raise ConfigError(f"config file {str(path)!r} is a folder; --config names a TOML file")
     if not path.is_file():
         shipped = CONFIGS_DIR / f"{path.name}.toml" if path.suffix != ".toml" else CONFIGS_DIR / path.name
         if len(path.parts) == 1 and shipped.is_file():

@@ -19,7 +19,7 @@ and the problem; with ``on_error="skip"`` it is skipped and counted instead. Pro
 (missing, unreadable, no ``messages`` column, unknown suffix) always raise.
 
 **Images.** A content may also be a list of parts, ``{"type": "text", "text": str}`` and ``{"type": "image",
-"image": X}`` with X a path (relative to the data file's folder, or absolute), a ``data:image/...;base64,`` URI,
+"image": X}`` with X a path (relative to the data file's folder and inside it, unless ``image_paths_outside``), a ``data:image/...;base64,`` URI,
 bytes, or ``{"bytes", "path"}`` (the HF datasets Image struct, as Parquet stores it); videos are refused. Pass
 ``image_processor`` (transformers' Qwen2-VL image processor, see :func:`load_processor`): the chat template
 renders each image as ``<|vision_start|><|image_pad|><|vision_end|>`` and the one pad token becomes the image's
@@ -369,10 +369,11 @@ def conversation_images(messages: Sequence[Mapping[str, Any]]) -> list[tuple[str
     ]
 
 
-def load_image(image: Any, base_dir: str | os.PathLike | None = None):
+def load_image(image: Any, base_dir: str | os.PathLike | None = None, outside_ok: bool = False):
     """An RGB ``PIL.Image`` from an image part's value: a path (relative to ``base_dir``, default the working
-    directory), a ``data:image/...;base64,`` URI, bytes, or ``{"bytes", "path"}``. Raises ``ValueError`` saying
-    which file or how many bytes failed, and why."""
+    directory), a ``data:image/...;base64,`` URI, bytes, or ``{"bytes", "path"}``. With ``base_dir`` a path must
+    stay inside it (not absolute, no ``..`` leading out, symlinks resolved) unless ``outside_ok``. Raises
+    ``ValueError`` saying which file or how many bytes failed, and why."""
     from PIL import Image
 
     if isinstance(image, Mapping):
@@ -389,7 +390,13 @@ def load_image(image: Any, base_dir: str | os.PathLike | None = None):
         if image.startswith(("http://", "https://")):
             raise ValueError(f"image {image!r}: URLs are not fetched; download the images and give their paths")
         path = Path(image.removeprefix("file://"))
-        if not path.is_absolute() and base_dir is not None:
+        if base_dir is not None:
+            inside = (Path(base_dir) / path).resolve().is_relative_to(Path(base_dir).resolve())
+            if not outside_ok and (path.is_absolute() or not inside):
+                raise ValueError(
+                    f"image path {image!r} leads outside the dataset's folder {str(base_dir)!r}; give paths relative "
+                    "to it, or set data.image_paths_outside = true to allow others"
+                )
             path = Path(base_dir) / path
         if not path.is_file():
             raise ValueError(f"image file '{path}' does not exist")
@@ -477,6 +484,7 @@ def _expand_images(
     ids: Mapping[str, int],
     image_processor: Any,
     base_dir: str | os.PathLike | None,
+    outside_ok: bool = False,
 ) -> TokenizedConversation:
     """Check the rendered placeholders against the image parts, run the images through the processor, expand
     each image's pad to its grid's token count, and zero the loss mask on every vision token."""
@@ -496,7 +504,7 @@ def _expand_images(
     pictures = []
     for where, image in images:
         try:
-            pictures.append(load_image(image, base_dir))
+            pictures.append(load_image(image, base_dir, outside_ok))
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
     try:
@@ -668,6 +676,7 @@ def tokenize_conversation(
     image_processor: Any = None,
     base_dir: str | os.PathLike | None = None,
     vision_tokens: VisionTokens | None = None,
+    image_paths_outside: bool = False,
 ) -> TokenizedConversation:
     """Token ids of ``messages`` rendered with the tokenizer's chat template, and the assistant loss mask.
 
@@ -716,7 +725,7 @@ def tokenize_conversation(
         loss_mask.extend([flag] * len(piece_ids))
     if not ids:  # a text tokenizer, a text conversation
         return TokenizedConversation(input_ids, loss_mask)
-    return _expand_images(input_ids, loss_mask, images, tokens, ids, image_processor, base_dir)
+    return _expand_images(input_ids, loss_mask, images, tokens, ids, image_processor, base_dir, image_paths_outside)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -1021,6 +1030,7 @@ class PackedDataset(Dataset):
         vision_tokens: VisionTokens | None = None,
         on_error: OnError = "raise",
         base_dir: str | os.PathLike | None = None,
+        image_paths_outside: bool = False,
     ) -> PackedDataset:
         """Tokenize and pack conversations (message lists, or :class:`Conversation` from the loader).
 
@@ -1049,6 +1059,7 @@ class PackedDataset(Dataset):
                         image_processor=image_processor,
                         base_dir=Path(item.source).parent if loaded else base_dir,
                         vision_tokens=vision_tokens,
+                        image_paths_outside=image_paths_outside,
                     )
                 )
             except ValueError as exc:
@@ -1077,6 +1088,7 @@ class PackedDataset(Dataset):
         image_processor: Any = None,
         vision_tokens: VisionTokens | None = None,
         group: dist.ProcessGroup | None = None,
+        image_paths_outside: bool = False,
     ) -> PackedDataset:
         """Load, tokenize and pack local JSONL/Parquet files (see :func:`load_conversations`); images go through
         ``image_processor``, and image paths in a file are relative to its folder.
@@ -1097,6 +1109,7 @@ class PackedDataset(Dataset):
             "image_processor": image_processor,
             "vision_tokens": vision_tokens,
             "on_error": on_error,
+            "image_paths_outside": image_paths_outside,
         }
 
         def build_here() -> PackedDataset:
@@ -1138,6 +1151,7 @@ def build_training_rows(
         on_error=data.on_error,
         image_processor=image_processor,
         group=group,
+        image_paths_outside=getattr(data, "image_paths_outside", False),
     )
     return [dataset[i] for i in range(len(dataset))], dataset.stats
 

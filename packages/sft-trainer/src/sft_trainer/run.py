@@ -13,17 +13,12 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from cp_core import CPTopology
-from sft_trainer.train import (
-    MetricsWriter,
-    StepStats,
-    lr_lambda,
-    rng_state,
-    set_rng_state,
-    train_step,
-)
+from sft_trainer.checkpoint import check_resume, maybe_resume, resume_checkpoint, save_checkpoint
+from sft_trainer.run_folder import hold_run_folders, output_problems
+from sft_trainer.train import MetricsWriter, StepStats, lr_lambda, train_step
+from sft_trainer.watchdog import collective_timeout, is_collective_timeout, run_workers, start_beating
 
 
 def _free_port() -> int:
@@ -44,17 +39,13 @@ def launch(cfg) -> None:
         run_worker_then_exit(cfg)
     dp, cp = world_layout(cfg)
     world = dp * cp
-    port = _free_port()
-    try:
-        mp.spawn(_spawned, args=(cfg, world, port), nprocs=world, join=True)
-    except mp.ProcessExitedException as exc:  # a worker stopped; its message or traceback is printed above
-        if exc.signal_name:  # killed, not stopped: say by what (SIGKILL is most often the out-of-memory killer)
-            hint = " (most often the out-of-memory killer: see dmesg)" if exc.signal_name == "SIGKILL" else ""
-            raise SystemExit(f"sft-train: worker {exc.error_index} was killed by {exc.signal_name}{hint}") from None
-        raise SystemExit(f"sft-train: stopped (worker {exc.error_index} exited with code {exc.exit_code})") from None
+    # a worker that stops prints its message or traceback; the launcher adds which worker and how it ended
+    run_workers(_spawned, (cfg, world, _free_port()), world, cfg.parallel.heartbeat_timeout_s)
 
 
-def _spawned(rank: int, cfg, world: int, port: int) -> None:
+def _spawned(rank: int, cfg, world: int, port: int, beats=None) -> None:
+    if beats is not None:
+        start_beating(beats, rank)
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
@@ -79,8 +70,16 @@ def run_worker_then_exit(cfg) -> NoReturn:
             code = 1
     except KeyboardInterrupt:  # Ctrl-C reaches every worker: no traceback per process
         code = 130
-    except BaseException:
-        traceback.print_exc()
+    except BaseException as exc:
+        if is_collective_timeout(exc):
+            rank = os.environ.get("RANK", "?")
+            print(
+                f"sft-train: rank {rank}: a collective timed out after {cfg.parallel.collective_timeout_s:g} s "
+                "(parallel.collective_timeout_s): another rank stopped answering (frozen, stuck or dead)",
+                file=sys.stderr,
+            )
+        else:
+            traceback.print_exc()
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()
@@ -154,7 +153,10 @@ def build_model(cfg, tokenizer, device: torch.device, mesh, topology: CPTopology
         check_vision_tokens(hf_config, tokenizer)
         model_class, kwargs["vision_cp"] = Qwen35VLForConditionalGeneration, cfg.model.vision_cp
     if cfg.model.path:
-        model = model_class.from_pretrained(cfg.model.path, dtype=storage_dtype, **kwargs)
+        try:
+            model = model_class.from_pretrained(cfg.model.path, dtype=storage_dtype, **kwargs)
+        except Exception as exc:  # missing, truncated or mis-shaped weights: alike on every rank
+            _stop(dist.get_rank(), f"model.path={cfg.model.path!r} does not load: {_one_line(exc)}")
     else:  # random init from a config file or the preset (the preset takes the tokenizer's vocabulary)
         torch.manual_seed(cfg.train.seed)
         model = model_class(hf_config, **kwargs).to(storage_dtype)
@@ -184,6 +186,12 @@ def _memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def _one_line(exc: BaseException, limit: int = 600) -> str:
+    """``Type: message`` of ``exc`` on one line, cut at ``limit`` characters."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _stop(rank: int, message: str) -> NoReturn:
     """End this worker over a user-facing problem every rank meets alike: one clean line from rank 0, no traceback.
     Rank 0 prints at once; the others wait a moment first, since the launcher stops every worker when one ends."""
@@ -203,7 +211,9 @@ def worker(cfg) -> dict[str, Any]:
 
     device, backend = _device_and_backend(cfg)
     dp, cp = world_layout(cfg)
-    dist.init_process_group(backend)
+    # the mesh's subgroups take torch's default timeout, not the default group's: set that one too
+    dist.distributed_c10d.default_pg_timeout = dist.distributed_c10d.default_pg_nccl_timeout = collective_timeout(cfg)
+    dist.init_process_group(backend, timeout=collective_timeout(cfg))
     try:
         rank = dist.get_rank()
         mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
@@ -222,6 +232,23 @@ def worker(cfg) -> dict[str, Any]:
             from sft_trainer.data import load_image_processor
 
             image_processor = load_image_processor(cfg.processor_path)
+        try:  # the data first: its mistakes show in seconds, before any weight loads
+            rows, data_stats = build_training_rows(
+                cfg, tokenizer, image_processor=image_processor, group=topology.group
+            )
+        except DataError as exc:
+            _stop(rank, f"data.path={str(cfg.data_path)!r}: {exc}")
+        except Exception as exc:
+            # jinja2's TemplateError: the chat template fails to render, or its sandbox refuses what it does
+            if type(exc).__module__.startswith("jinja2"):
+                _stop(rank, f"data.tokenizer={str(cfg.tokenizer_path)!r}: its chat template fails: {_one_line(exc)}")
+            raise
+        if data_stats.loss_tokens == 0:
+            _stop(
+                rank,
+                f"data.path={str(cfg.data_path)!r}: no packed row holds a loss token ({data_stats}); nothing would be "
+                "learned: raise data.seq_len or check that the conversations have assistant replies",
+            )
         model = build_model(cfg, tokenizer, device, mesh, topology)
         torch.manual_seed(dropout_seed(cfg.train.seed, rank))  # dropout's draws; restored instead on resume
         params = [p for p in model.parameters() if p.requires_grad]
@@ -236,19 +263,13 @@ def worker(cfg) -> dict[str, Any]:
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: lr_lambda(s, warmup, steps, cfg.train.decay, cfg.train.min_lr_ratio)
         )
-        try:
-            rows, data_stats = build_training_rows(
-                cfg, tokenizer, image_processor=image_processor, group=topology.group
-            )
-        except DataError as exc:
-            _stop(rank, f"data.path={str(cfg.data_path)!r}: {exc}")
         my_rows = rows[mesh.get_local_rank("dp") :: dp]
         if not my_rows:
             raise SystemExit(f"no packed rows for dp rank {mesh.get_local_rank('dp')} ({len(rows)} rows for dp={dp})")
         out_dir = Path(cfg.output_dir)
         ckpt_dir = cfg.checkpoint_dir
         start_step = maybe_resume(cfg, model, optimizer, scheduler)
-        metrics = MetricsWriter(cfg.metrics_path if rank == 0 else None, fresh=start_step == 0)
+        metrics = MetricsWriter(cfg.metrics_path if rank == 0 else None, fresh=start_step == 0, resumed_at=start_step)
         wandb_run = start_wandb(cfg) if rank == 0 else None
         metrics.wandb_run = wandb_run
         if rank == 0:
@@ -259,6 +280,16 @@ def worker(cfg) -> dict[str, Any]:
             )
         losses = []
         per_step = cfg.train.grad_accum
+
+        def run_state(done: int) -> dict[str, int]:  # what a resume must match, and where this rank's data stands
+            return {
+                "train_steps": steps,
+                "grad_accum": per_step,
+                "data_position": done * per_step,
+                "world_size": dp * cp,
+            }
+
+        nonfinite = 0  # consecutive skipped steps
         for step in range(start_step, steps):
             batch = [my_rows[(step * per_step + i) % len(my_rows)] for i in range(per_step)]
             started = time.perf_counter()
@@ -297,12 +328,27 @@ def worker(cfg) -> dict[str, Any]:
                         + (" | SKIPPED (non-finite)" if skipped else ""),
                         flush=True,
                     )
+            nonfinite = nonfinite + 1 if skipped else 0  # skipped is the same on every rank (all-reduced)
+            if nonfinite >= cfg.train.max_nonfinite_steps:
+                _stop(
+                    rank,
+                    f"the loss or gradient norm was not finite for {nonfinite} consecutive steps (steps "
+                    f"{step + 2 - nonfinite}-{step + 1}, train.max_nonfinite_steps={cfg.train.max_nonfinite_steps}); "
+                    "lower train.lr, check the data, or resume from an earlier checkpoint",
+                )
             if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 and step + 1 < steps:
-                save_checkpoint(ckpt_dir, step + 1, model, optimizer, scheduler)
-        save_checkpoint(ckpt_dir, steps, model, optimizer, scheduler)
+                save_checkpoint(ckpt_dir, step + 1, model, optimizer, scheduler, run_state(step + 1))
+        save_checkpoint(ckpt_dir, steps, model, optimizer, scheduler, run_state(steps))
         export_dir = None
         if cfg.checkpoint.export_hf:
             export_dir = out_dir / "hf"
+            bad = nonfinite_parameters(model)
+            if bad:
+                _stop(
+                    rank,
+                    f"not exporting to {export_dir}: the weights hold inf or nan ({bad} tensor(s) on one rank; "
+                    f"the checkpoint of step {steps} is saved); lower train.lr or train.max_nonfinite_steps",
+                )
             export_model(cfg, model, export_dir)  # collective: gathers the full weights onto rank 0
             if rank == 0:
                 tokenizer.save_pretrained(export_dir)
@@ -319,6 +365,16 @@ def worker(cfg) -> dict[str, Any]:
         return {"losses": losses, "checkpoint_dir": str(ckpt_dir)}
     finally:
         dist.destroy_process_group()
+
+
+def nonfinite_parameters(model) -> int:
+    """The most parameters (or FSDP shards of them) holding inf or nan on one rank; a collective, alike on all."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    count = torch.tensor([sum(int(not bool(torch.isfinite(t).all())) for t in local)], dtype=torch.int64)
+    device = local[0].device if local else torch.device("cpu")
+    count = count.to(device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
 
 
 def export_model(cfg, model, export_dir: Path) -> None:
@@ -343,84 +399,6 @@ def export_model(cfg, model, export_dir: Path) -> None:
         from safetensors.torch import save_file
 
         save_file({k: v.contiguous() for k, v in adapters.items()}, str(Path(export_dir) / "lora_adapters.safetensors"))
-
-
-def save_checkpoint(ckpt_dir: Path, step: int, model, optimizer, scheduler) -> None:
-    """torch.distributed.checkpoint of model, optimizer, scheduler, step and RNG (every rank writes its part)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
-    path = ckpt_dir / f"step-{step:06d}"
-    dcp.save(state, checkpoint_id=str(path))
-    extra = {"step": step, "scheduler": scheduler.state_dict(), "rng": rng_state()}
-    torch.save(extra, path / f"extra-rank{dist.get_rank()}.pt")
-    dist.barrier()
-    if dist.get_rank() == 0:
-        (ckpt_dir / "latest").write_text(path.name)
-
-
-def resume_checkpoint(cfg) -> Path | None:
-    """The checkpoint this run continues from: ``checkpoint.resume`` as a path, or with true the latest under
-    ``checkpoint_dir``; None for a fresh start (also true with no checkpoint yet)."""
-    resume = cfg.checkpoint.resume
-    if not resume:
-        return None
-    if isinstance(resume, str) and resume not in ("true", "latest"):
-        return Path(resume)
-    latest = cfg.checkpoint_dir / "latest"
-    return cfg.checkpoint_dir / latest.read_text().strip() if latest.exists() else None
-
-
-def check_resume(cfg, world: int) -> list[str]:
-    """Why the checkpoint to resume from cannot continue this run (empty: it can, or the run starts fresh): it must
-    be an sft-train checkpoint, written by as many ranks as this run has (each holds its rank's data position and
-    random state), and at a step not past ``train.steps`` (equal: a finished run, saved and exported again)."""
-    path = resume_checkpoint(cfg)
-    if path is None:
-        return []
-    if not (path / "extra-rank0.pt").is_file():
-        return [f"checkpoint.resume: {path} is not an sft-train checkpoint (no extra-rank0.pt in it)"]
-    problems = []
-    ranks = len(list(path.glob("extra-rank*.pt")))
-    if ranks != world:
-        problems.append(
-            f"checkpoint.resume: {path} was written by {ranks} rank(s) and this run has {world} (dp x cp); resume "
-            "with the layout that wrote it, or start fresh (checkpoint.resume = false)"
-        )
-    step = int(torch.load(path / "extra-rank0.pt", weights_only=False)["step"])
-    if step > cfg.train.steps:  # equal: a finished run, resumed to save and export again
-        problems.append(
-            f"checkpoint.resume: {path} is at step {step}, past train.steps={cfg.train.steps}; raise train.steps "
-            "to continue it"
-        )
-    return problems
-
-
-def maybe_resume(cfg, model, optimizer, scheduler) -> int:
-    """Load the checkpoint :func:`resume_checkpoint` names into the model, optimizer, scheduler and RNG; returns
-    its step (0: a fresh start)."""
-    path = resume_checkpoint(cfg)
-    if path is None:
-        if cfg.checkpoint.resume and dist.get_rank() == 0:
-            print(
-                f"[sft-train] checkpoint.resume: no checkpoint in {cfg.checkpoint_dir} yet; starting fresh", flush=True
-            )
-        return 0
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    extra = torch.load(path / f"extra-rank{dist.get_rank()}.pt", weights_only=False)
-    scheduler.load_state_dict(extra["scheduler"])
-    set_rng_state(extra["rng"])
-    if dist.get_rank() == 0:
-        print(f"[sft-train] resumed from {path} at step {extra['step']}", flush=True)
-    return int(extra["step"])
 
 
 def set_aside_previous_run(cfg) -> list[tuple[Path, Path]]:
@@ -482,6 +460,17 @@ RUN_USAGE = (
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run :func:`start`; under torchrun a problem found before training is said by rank 0 alone (every rank
+    finds it), the others exit with the same code."""
+    try:
+        start(argv)
+    except SystemExit as exc:
+        if os.environ.get("RANK", "0") != "0" and isinstance(exc.code, str):
+            raise SystemExit(1) from None
+        raise
+
+
+def start(argv: list[str] | None = None) -> None:
     """``sft-train [--config FILE.toml] [--section.key VALUE ...]``: validate the config, then train.
 
     ``sft-train plan [--config FILE.toml] [--section.key VALUE ...] [--json]`` prints the run's CP traffic, memory
@@ -510,9 +499,38 @@ def main(argv: list[str] | None = None) -> None:
     problems = check_resume(cfg, dp * cp)
     if problems:
         raise SystemExit("sft-train: cannot resume:\n" + "\n".join(f"  - {p}" for p in problems))
+    problems = output_problems(cfg) + runtime_problems(cfg)
+    if problems:
+        raise SystemExit("\n".join(f"sft-train: {p}" for p in problems))
+    if os.environ.get("RANK", "0") == "0":  # the launcher, or torchrun's rank 0: holds the folders until it ends
+        hold_run_folders(cfg)
     if _backend(cfg) == "nccl" and os.environ.get("RANK", "0") == "0":  # a GPU run
         warn_when_plan_does_not_fit(cfg)
     launch(cfg)
+
+
+def runtime_problems(cfg) -> list[str]:
+    """What this machine lacks for ``cfg`` (a GPU for NCCL or a CUDA kernel, an optional package), one line each."""
+    import importlib.util
+
+    problems = []
+    cuda = torch.cuda.is_available()
+    if cfg.parallel.backend == "nccl" and not cuda:
+        problems.append("parallel.backend='nccl' needs CUDA GPUs and none is visible; use 'gloo' or 'auto' on CPU")
+    for field, value, package in (
+        ("model.attention_backend", cfg.model.attention_backend, "flash_attn"),
+        ("model.recurrent_backend", cfg.model.recurrent_backend, "fla"),
+    ):
+        if value == package:
+            if not cuda:
+                problems.append(f"{field}={value!r} runs on CUDA GPUs only and none is visible; use 'auto' or 'torch'")
+            elif importlib.util.find_spec(package) is None:
+                problems.append(f"{field}={value!r} needs the {package} package, which is not installed; use 'auto'")
+    if cfg.logging.wandb.enabled and importlib.util.find_spec("wandb") is None:
+        problems.append(
+            "logging.wandb.enabled=true but wandb is not installed: pip install sft-trainer[wandb], or set it false"
+        )
+    return problems
 
 
 def _backend(cfg) -> str:

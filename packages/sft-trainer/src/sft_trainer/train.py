@@ -129,15 +129,26 @@ def train_step(
     return loss_value / max(tokens, 1), tokens, norm_value, skipped
 
 
+def _step_of(line: str) -> float:
+    """The step of a metrics record (a line that is not one sorts last, so a resume drops it)."""
+    try:
+        return float(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
 class MetricsWriter:
     """JSONL metrics (always) and wandb (when configured) from rank 0."""
 
-    def __init__(self, path: Path | None, wandb_run=None, fresh: bool = True):
+    def __init__(self, path: Path | None, wandb_run=None, fresh: bool = True, resumed_at: int = 0):
         self.path, self.wandb_run = path, wandb_run
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             if fresh:  # a new run starts a new file; a resumed one appends
                 path.write_text("")
+            elif path.exists():  # steps after the checkpoint run again: keep one record per step
+                kept = [line for line in path.read_text().splitlines() if _step_of(line) <= resumed_at]
+                path.write_text("".join(f"{line}\n" for line in kept))
 
     def write(self, stats: StepStats) -> None:
         record = {
@@ -155,16 +166,3 @@ class MetricsWriter:
                 f.write(json.dumps(record) + "\n")
         if self.wandb_run is not None:
             self.wandb_run.log(record, step=stats.step)
-
-
-def rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,105 @@
+"""The folders a run writes: checked writable before any worker starts, and held by one run at a time.
+
+The hold is an ``fcntl.flock`` on ``output_dir/.sft-train.lock`` (and on a lock file beside ``checkpoint.dir`` when
+that lies outside ``output_dir``), taken by the launcher (under torchrun: rank 0) for the life of its process.
+The kernel drops a flock when its process ends, however it ends, so a crashed run never leaves a folder held;
+the file itself stays and names the last holder. flock is per host: on network file systems that do not forward
+it, two hosts are not kept apart.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+LOCK_NAME = ".sft-train.lock"
+_held: list[int] = []  # open lock descriptors: kept for the life of the process
+
+
+def _first_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _folder_problem(field: str, value: str, folder: Path) -> str | None:
+    """Why ``folder`` cannot be (created and) written, or None."""
+    if folder.exists() and not folder.is_dir():
+        return f"{field}={value!r}: {folder} is a file, not a folder; choose a folder path"
+    base = _first_existing(folder)
+    if not base.is_dir():
+        return f"{field}={value!r}: {base} is a file, so {folder} cannot be created; choose another path"
+    if not os.access(base, os.W_OK | os.X_OK):
+        what = "is not writable" if base == folder else f"cannot be created ({base} is not writable)"
+        return f"{field}={value!r}: {folder} {what}; choose a writable path"
+    return None
+
+
+def output_problems(cfg) -> list[str]:
+    """Each output path of ``cfg`` that this user cannot write, one line each (empty: all writable)."""
+    problems = []
+    if not str(cfg.output_dir).strip():
+        problems.append("output_dir='': must name a folder (the run's checkpoints, metrics and export go there)")
+        return problems
+    problem = _folder_problem("output_dir", cfg.output_dir, Path(cfg.output_dir))
+    if problem:  # the default checkpoint and metrics paths lie inside it: one mistake, one line
+        return [problem]
+    if cfg.checkpoint.dir:
+        problem = _folder_problem("checkpoint.dir", cfg.checkpoint.dir, cfg.checkpoint_dir)
+        if problem:
+            problems.append(problem)
+    if not cfg.logging.metrics_file:
+        return problems
+    metrics = cfg.metrics_path
+    field, value = "logging.metrics_file", cfg.logging.metrics_file
+    if metrics.is_dir():
+        problems.append(f"{field}={value!r}: {metrics} is a folder; name a file")
+    elif metrics.exists() and not os.access(metrics, os.W_OK):
+        problems.append(f"{field}={value!r}: {metrics} is not writable")
+    else:
+        problem = _folder_problem(field, value, metrics.parent)
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+def lock_paths(cfg) -> list[Path]:
+    out = Path(cfg.output_dir).resolve()
+    paths = [out / LOCK_NAME]
+    ckpt = cfg.checkpoint_dir.resolve()
+    if not ckpt.is_relative_to(out):  # beside it, not inside: set_aside_previous_run may move the folder
+        paths.append(ckpt.parent / f".{ckpt.name}{LOCK_NAME}")
+    return paths
+
+
+def hold_run_folders(cfg) -> None:
+    """Hold ``output_dir`` (and a separate ``checkpoint.dir``) for this process, or raise SystemExit naming the run
+    that holds it."""
+    for path in lock_paths(cfg):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise SystemExit(
+                f"sft-train: {path.parent} is in use by another run ({holder}); wait for it to end or stop it, or "
+                "choose another output_dir / checkpoint.dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+        _held.append(fd)
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        record = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"pid {record['pid']} on {record['host']}, started {record['started']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "its pid is not recorded yet"

@@ -1,0 +1,140 @@
+"""Bad inputs end with one clear line, never a traceback or a hang: those knowable from the config and the machine
+before any worker starts (in-process, through ``main``), and those met by the workers (subprocesses, cp = 1):
+weights that do not load, a chat template that fails, data without a loss token. Under torchrun a problem is
+said once, by rank 0."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+from trainer_runs import one_line_failure, sft_train
+
+from sft_trainer.config import SHIPPED_TOKENIZER
+from sft_trainer.run import main
+
+# (case id, overrides, fragment of the message); every case must stop in main, before a worker starts
+PRE_LAUNCH = [
+    ("empty_output_dir", ["--output_dir", ""], "sft-train: output_dir='': must name a folder"),
+    ("multi_line_value", ["--train.steps", "5\nlr = 1"], "--train.steps='5\\nlr = 1': a value must be one line"),
+    ("config_is_a_folder", ["--config", "{tmp}"], "is a folder; --config names a TOML file"),
+    ("seed_2_63", ["--train.seed", str(2**63)], "train.seed=9223372036854775808: Input should be less than"),
+    ("huge_seq_len", ["--data.seq_len", str(10**9)], "data.seq_len=1000000000: Input should be less than or equal"),
+    ("lr_inf", ["--train.lr", "inf"], "train.lr=inf: must be a finite number"),
+    ("grad_norm_nan", ["--train.max_grad_norm", "nan"], "train.max_grad_norm=nan: must be a finite number"),
+    ("micro_batch_4", ["--train.micro_batch_size", "4", "--parallel.cp", "1"], "train.micro_batch_size=4 must be 1"),
+    ("nccl_on_cpu", ["--parallel.backend", "nccl"], "parallel.backend='nccl' needs CUDA GPUs and none is visible"),
+    ("flash_attn_on_cpu", ["--model.attention_backend", "flash_attn"], "model.attention_backend='flash_attn' runs on"),
+    ("fla_on_cpu", ["--model.recurrent_backend", "fla"], "model.recurrent_backend='fla' runs on CUDA GPUs only"),
+    ("wandb_missing", ["--logging.wandb.enabled", "true"], "logging.wandb.enabled=true but wandb is not installed"),
+    ("metrics_file_is_a_folder", ["--logging.metrics_file", "{tmp}"], "is a folder; name a file"),
+    ("output_dir_is_a_file", ["--output_dir", "{tmp}/file"], "is a file, not a folder"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "fragment"), [c[1:] for c in PRE_LAUNCH], ids=[c[0] for c in PRE_LAUNCH])
+def test_pre_launch_mistakes_stop_in_main_with_one_clear_line(tmp_path, monkeypatch, overrides, fragment):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU machine these cases describe
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real_find_spec(name))
+    (tmp_path / "file").write_text("x")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in overrides]
+    if "--output_dir" not in argv:
+        argv = ["--output_dir", str(tmp_path / "out"), *argv]
+    started = time.monotonic()
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    seconds = time.monotonic() - started
+    message = str(info.value.code)
+    assert fragment in message, message
+    lines = [line for line in message.splitlines() if line.strip()]
+    assert len(lines) <= 2 and lines[0].startswith("sft-train: "), message  # the line, or a header and the line
+    assert not (tmp_path / "out").exists()  # nothing written, nothing started
+    assert seconds < 10, seconds
+
+
+def _tiny_checkpoint(folder):
+    from transformers import AutoTokenizer
+
+    from cp_models import Qwen35ForCausalLM
+    from sft_trainer.config import tiny_qwen35_config
+
+    vocab = len(AutoTokenizer.from_pretrained(SHIPPED_TOKENIZER))
+    Qwen35ForCausalLM(tiny_qwen35_config(vocab)).save_pretrained(folder)
+    return folder
+
+
+def _tokenizer_with_template(folder, template: str):
+    shutil.copytree(SHIPPED_TOKENIZER, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+_CP1 = ("--parallel.cp", "1", "--data.seq_len", "64", "--train.steps", "2", "--train.warmup_steps", "0",
+        "--logging.progress_bar", "false", "--checkpoint.export_hf", "false")  # fmt: skip
+
+
+def _worker_case(tmp_path, case: str) -> tuple[list[str], str]:
+    if case == "truncated_safetensors":
+        ckpt = _tiny_checkpoint(tmp_path / "ckpt")
+        weights = ckpt / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        return ["--model.path", str(ckpt)], f"sft-train: model.path={str(ckpt)!r} does not load: "
+    if case == "missing_safetensors":
+        ckpt = _tiny_checkpoint(tmp_path / "ckpt")
+        (ckpt / "model.safetensors").unlink()
+        return ["--model.path", str(ckpt)], f"sft-train: model.path={str(ckpt)!r} does not load: "
+    if case == "shapes_disagree_with_config":
+        ckpt = _tiny_checkpoint(tmp_path / "ckpt")
+        config = json.loads((ckpt / "config.json").read_text())
+        config["intermediate_size"] = 96
+        (ckpt / "config.json").write_text(json.dumps(config))
+        return ["--model.path", str(ckpt)], f"sft-train: model.path={str(ckpt)!r} does not load: "
+    if case == "template_raises":
+        tok = _tokenizer_with_template(tmp_path / "tok", "{{ raise_exception('no system role') }}")
+        return ["--data.tokenizer", str(tok)], "its chat template fails: TemplateError: no system role"
+    if case == "template_escapes_the_sandbox":
+        tok = _tokenizer_with_template(tmp_path / "tok", "{{ ''.__class__.__mro__[1].__subclasses__() }}")
+        return ["--data.tokenizer", str(tok)], "its chat template fails: SecurityError: access to attribute"
+    if case == "no_loss_token":
+        return ["--data.seq_len", "8"], "no packed row holds a loss token"
+    raise AssertionError(case)
+
+
+WORKER_CASES = [
+    "truncated_safetensors",
+    "missing_safetensors",
+    "shapes_disagree_with_config",
+    "template_raises",
+    "template_escapes_the_sandbox",
+    "no_loss_token",
+]
+
+
+@pytest.mark.parametrize("case", WORKER_CASES)
+def test_worker_mistakes_stop_with_one_clear_line(tmp_path, case):
+    overrides, fragment = _worker_case(tmp_path, case)
+    proc, seconds = sft_train("--output_dir", str(tmp_path / "out"), *_CP1, *overrides, timeout=240)
+    line = one_line_failure(proc)
+    assert fragment in line, line
+    assert not (tmp_path / "out" / "metrics.jsonl").exists() or case == "no_loss_token"
+    print(f"{case}: {seconds:.1f} s")
+
+
+def test_under_torchrun_a_mistake_is_said_once(tmp_path):
+    """Every torchrun rank finds the same config problem; rank 0 alone says it (torchrun then prints its own
+    summary of the failed ranks)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "sft_trainer.run", "--output_dir", str(tmp_path / "out"), "--train.lr", "inf"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0
+    assert proc.stderr.count("train.lr=inf: must be a finite number") == 1, proc.stderr[-3000:]
