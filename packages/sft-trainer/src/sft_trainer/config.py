@@ -498,12 +498,20 @@ class WandbConfig(_Section):
 class LoggingConfig(_Section):
     """``[logging]``: metrics and progress output (rank 0)."""
 
-    log_every: int = Field(1, ge=1, description="Log metrics every this many steps.")
+    log_every: int = Field(
+        1,
+        ge=1,
+        description="Print a plain progress line every this many steps (metrics.jsonl and wandb get every step).",
+    )
     metrics_file: str | None = Field(
         None, description="JSONL file of per-step metrics; unset: `output_dir`/metrics.jsonl (see `metrics_path`)."
     )
     wandb: WandbConfig = Field(default_factory=WandbConfig, description="wandb logging ([logging.wandb]).")
-    progress_bar: bool = Field(True, description="Show a progress bar on rank 0.")
+    progress_bar: bool = Field(
+        True,
+        description="Rank 0 draws a progress bar (step/total, elapsed, ETA, loss, lr, tokens/s, memory) when stdout "
+        "is a terminal; false, or stdout not a terminal (logs, CI): one plain line every log_every steps.",
+    )
 
 
 class TrainConfig(_Section):
