@@ -18,6 +18,7 @@ import termios
 from pathlib import Path
 
 import pytest
+from trainer_runs import read_wandb_records, wandb_items
 
 from sft_trainer.progress import Progress
 from sft_trainer.report import main as report_main
@@ -181,35 +182,6 @@ def test_report_of_a_missing_or_malformed_run_says_so_in_one_line(tmp_path):
 # One run, stdout a pipe: plain lines, the report at the end, and the offline wandb run's contents
 
 
-def read_wandb_records(path: Path) -> list:
-    """The protobuf records of a .wandb file: a ':W&B' header, then a LevelDB-style log (32 KiB blocks; each
-    chunk: crc32c, little-endian length, type FULL=1 / FIRST=2 / MIDDLE=3 / LAST=4) of wandb_internal Records."""
-    from wandb.proto import wandb_internal_pb2
-
-    data = path.read_bytes()
-    assert data[:4] == b":W&B", data[:7]
-    block, pos, pending, records = 32768, 7, b"", []
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
-            pos += block - pos % block
-            continue
-        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
-        if kind == 0:
-            break
-        pending += data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            records.append(record)
-            pending = b""
-    return records
-
-
-def _items(items) -> dict:
-    return {(i.key or ".".join(i.nested_key)): json.loads(i.value_json) for i in items}
-
-
 def test_a_piped_run_prints_lines_writes_its_report_and_logs_to_wandb(tmp_path):
     pytest.importorskip("wandb")
     pytest.importorskip("matplotlib")
@@ -246,10 +218,10 @@ def test_a_piped_run_prints_lines_writes_its_report_and_logs_to_wandb(tmp_path):
     records = read_wandb_records(runs[0])
     kinds = [r.WhichOneof("record_type") for r in records]
     run = records[kinds.index("run")].run
-    config = _items(run.config.update)
+    config = wandb_items(run.config.update)
     assert run.project == "watchtest"
     assert config["train"]["steps"] == 3 and config["data"]["seq_len"] == 128 and config["output_dir"] == str(out)
-    history = [_items(r.history.item) for r in records if r.WhichOneof("record_type") == "history"]
+    history = [wandb_items(r.history.item) for r in records if r.WhichOneof("record_type") == "history"]
     assert [h["_step"] for h in history] == [1, 2, 3]
     for logged, written in zip(history, metrics, strict=True):
         for key, value in written.items():
@@ -257,7 +229,7 @@ def test_a_piped_run_prints_lines_writes_its_report_and_logs_to_wandb(tmp_path):
     summary = {}
     for r in records:
         if r.WhichOneof("record_type") == "summary":
-            summary.update(_items(r.summary.update))
+            summary.update(wandb_items(r.summary.update))
     assert summary["_step"] == 3 and summary["loss"] == metrics[-1]["loss"]
     assert summary["tokens_per_s"] == metrics[-1]["tokens_per_s"]
     assert "exit" in kinds

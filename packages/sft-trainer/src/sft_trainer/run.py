@@ -485,6 +485,8 @@ def main(argv: list[str] | None = None) -> None:
 
     ``sft-train plan [--config FILE.toml] [--section.key VALUE ...] [--json]`` prints the run's CP traffic, memory
     per rank and the longest row that fits instead (``sft_trainer.plan``), starting nothing.
+    ``sft-train report RUN_DIR`` plots a finished (or running) run's metrics and prints its summary
+    (``sft_trainer.report``).
     ``--config`` may stand anywhere among the overrides; the overrides apply on top of it, in order."""
     from sft_trainer.config import ConfigError, load_config, wants_help
     from sft_trainer.plan import split_config_argument
