@@ -57,7 +57,6 @@ class Progress:
                 dynamic_ncols=sized,
                 ncols=None if sized else 120,
                 nrows=None if sized else 24,
-                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}] {postfix}",
             )
 
     def update(self, stats: StepStats) -> None:
