@@ -232,4 +232,9 @@ def test_a_piped_run_prints_lines_writes_its_report_and_logs_to_wandb(tmp_path):
             summary.update(wandb_items(r.summary.update))
     assert summary["_step"] == 3 and summary["loss"] == metrics[-1]["loss"]
     assert summary["tokens_per_s"] == metrics[-1]["tokens_per_s"]
+    applied = [m["loss"] for m in metrics if not m["skipped"]]
+    assert summary["run/steps"] == 3 and summary["run/skipped"] == len(metrics) - len(applied)
+    assert summary["run/min_loss"] == min(applied) and summary["run/first_loss"] == applied[0]
+    assert summary["run/median_tokens_per_s"] == statistics.median(m["tokens_per_s"] for m in metrics)
+    assert summary["run/peak_memory_gib"] == max(m["memory_gib"] for m in metrics)
     assert "exit" in kinds

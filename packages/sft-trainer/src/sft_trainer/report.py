@@ -123,16 +123,19 @@ def report(run_dir: Path, metrics: Path | None = None) -> tuple[str, Path | None
     return summary, png
 
 
-def write_report_at_end(metrics: Path, run_dir: Path) -> None:
-    """The end of a training run: the summary, and report.png when matplotlib is installed. Never stops the run."""
+def write_report_at_end(metrics: Path, run_dir: Path) -> dict[str, Any]:
+    """The end of a training run: prints the summary, writes report.png when matplotlib is installed, and returns
+    the summary's numbers (empty when there are none). Never stops the run."""
     try:
         summary, png = report(Path(run_dir), Path(metrics))
+        numbers = summarize(read_metrics(Path(metrics)))
     except Exception as exc:  # the run's outputs are written; a report that fails is only noted
         print(f"[sft-train] no report: {type(exc).__name__}: {exc}", flush=True)
-        return
+        return {}
     print(summary, flush=True)
     if png is not None:
         print(f"[sft-train] report: {png}", flush=True)
+    return {key: value for key, value in numbers.items() if value is not None}
 
 
 def main(argv: list[str] | None = None) -> None:

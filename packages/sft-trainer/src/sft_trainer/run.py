@@ -309,7 +309,9 @@ def worker(cfg) -> dict[str, Any]:
             progress.close()
             print(f"[sft-train] checkpoints: {ckpt_dir}", flush=True)
             print(f"[sft-train] metrics: {metrics.path}", flush=True)
-            write_report_at_end(metrics.path, out_dir)
+            run_summary = write_report_at_end(metrics.path, out_dir)
+            if wandb_run is not None:  # beside the last step's values: the run's min loss, median tokens/s, ...
+                wandb_run.summary.update({f"run/{key}": value for key, value in run_summary.items()})
             if export_dir:
                 print(f"[sft-train] HF export: {export_dir}", flush=True)
         if wandb_run is not None:
