@@ -52,7 +52,12 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
     dist.barrier()
     rss0, started = _rss_mib(), time.perf_counter()
     dataset = open_packed_store_distributed(
-        args.data, tokenizer, args.seq_len, seed=0, cache_dir=args.cache, num_proc=args.num_proc,
+        args.data,
+        tokenizer,
+        args.seq_len,
+        seed=0,
+        cache_dir=args.cache,
+        num_proc=args.num_proc,
         image_processor=processor,
     )
     row = dataset[0]  # dp = 1: every cp rank trains on row 0 first
@@ -138,8 +143,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     work = Path(args.cache).parent / (Path(args.cache).name + "-bench")
-    report: dict = {"data": str(args.data), "data_mb": args.data.stat().st_size / 1e6, "seq_len": args.seq_len,
-                    "cp": args.cp, "cores": os.cpu_count()}
+    report: dict = {
+        "data": str(args.data),
+        "data_mb": args.data.stat().st_size / 1e6,
+        "seq_len": args.seq_len,
+        "cp": args.cp,
+        "cores": os.cpu_count(),
+    }
     for phase in ("warm",) if args.warm_only else ("cold", "warm"):
         if phase == "cold":
             shutil.rmtree(args.cache, ignore_errors=True)

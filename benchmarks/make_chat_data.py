@@ -64,8 +64,10 @@ def write(out: Path, conversations: int, seed: int = 0, images: int = 0) -> Path
             for turn in range(int(rng.integers(1, 4))):
                 user: str | list = _text(rng, words, 3.1, 0.8)
                 if per_conversation is not None and turn == 0 and per_conversation[c]:
-                    parts = [{"type": "image", "image": _image(rng, out / "images", made + k)}
-                             for k in range(int(per_conversation[c]))]
+                    parts = [
+                        {"type": "image", "image": _image(rng, out / "images", made + k)}
+                        for k in range(int(per_conversation[c]))
+                    ]
                     made += len(parts)
                     user = [*parts, {"type": "text", "text": user}]
                 messages.append({"role": "user", "content": user})

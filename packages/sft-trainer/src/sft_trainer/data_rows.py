@@ -7,13 +7,14 @@
 
 A row is built from memory-mapped slices when it is asked for, so a rank's memory does not grow with the dataset;
 its images are read and run through the image processor then (never kept). In a distributed job one process per
-node (local rank 0) tokenizes and packs while the others wait; every rank then maps the same files
+node (its lowest rank) tokenizes and packs while the others wait; every rank then maps the same files
 (:func:`open_packed_store_distributed`).
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -139,15 +140,22 @@ class StoreDataset(Dataset):
                 pictures.append(load_image(ref, base))
             except ValueError as exc:
                 raise DataError(f"{self._where(doc)}: {exc}") from None
-        processed = self.image_processor(images=pictures, return_tensors="pt")
-        grids = torch.as_tensor(processed["image_grid_thw"]).to(torch.int64).reshape(-1, 3)
-        expected = torch.from_numpy(np.stack([arrays["image_grid"][i] for _, i in images]))
-        if not torch.equal(grids, expected):
-            raise DataError(
-                f"{self._where(images[0][0])}: the image processor now gives grids {grids.tolist()}, the data cache "
-                f"holds {expected.tolist()}; delete {self.store.path} to rebuild it"
-            )
-        return torch.as_tensor(processed["pixel_values"]).to(torch.float32), grids
+        # One processor call per document, as tokenization made them: batching images of several sizes in one
+        # call does not give the same pixel values.
+        all_pixels, all_grids = [], []
+        for doc in dict.fromkeys(doc for doc, _ in images):
+            picked = [k for k, (owner, _) in enumerate(images) if owner == doc]
+            processed = self.image_processor(images=[pictures[k] for k in picked], return_tensors="pt")
+            grids = torch.as_tensor(processed["image_grid_thw"]).to(torch.int64).reshape(-1, 3)
+            expected = torch.from_numpy(np.stack([arrays["image_grid"][images[k][1]] for k in picked]))
+            if not torch.equal(grids, expected):
+                raise DataError(
+                    f"{self._where(doc)}: the image processor now gives grids {grids.tolist()}, the data cache "
+                    f"holds {expected.tolist()}; delete {self.store.path} to rebuild it"
+                )
+            all_pixels.append(torch.as_tensor(processed["pixel_values"]).to(torch.float32))
+            all_grids.append(grids)
+        return torch.cat(all_pixels), torch.cat(all_grids)
 
 
 def _pad_id(tokenizer: Any, pad_token_id: int | None) -> int:
@@ -240,16 +248,19 @@ def open_packed_store(
 def open_packed_store_distributed(
     paths: str | os.PathLike | Sequence[str | os.PathLike], tokenizer: Any, seq_len: int, **kwargs: Any
 ) -> StoreDataset:
-    """:func:`open_packed_store` on local rank 0 of every node while the other ranks wait, which then map the
-    store their node's builder wrote. An error on any builder is raised on every rank (no rank waits forever)."""
+    """:func:`open_packed_store` on the lowest rank of every node (host name) while the other ranks wait, which
+    then map the store their node's builder wrote (the files and tokenizer are not read there). An error on any
+    builder is raised on every rank (no rank waits forever)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return open_packed_store(paths, tokenizer, seq_len, **kwargs)
     rank = dist.get_rank()
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    hosts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    builder = hosts.index(hosts[rank])  # the node's lowest rank builds; its other ranks map what it wrote
     mine: tuple[str, Any] = ("idle", None)
     dataset: StoreDataset | None = None
     error: BaseException | None = None
-    if local_rank == 0:
+    if builder == rank:
         try:
             dataset = open_packed_store(paths, tokenizer, seq_len, **kwargs)
             mine = ("ok", (str(dataset.store.path), str(dataset.plan.path)))
@@ -263,9 +274,7 @@ def open_packed_store_distributed(
         raise error if error is not None else failed
     if dataset is not None:
         return dataset
-    status, (store_path, plan_path) = statuses[rank - local_rank]
-    if status != "ok":
-        raise RuntimeError(f"rank {rank - local_rank} (local rank 0 of this node) built no data store")
+    store_path, plan_path = statuses[builder][1]
     store = data_store.TokenStore.open(Path(store_path))
     plan = PackPlan.open(Path(plan_path))
     pad = _pad_id(tokenizer, kwargs.get("pad_token_id"))
