@@ -31,9 +31,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _rss_mib() -> float:
+def _rss_mib(kind: str = "VmRSS") -> float:
+    """This process's resident memory: ``VmRSS`` all of it, ``RssAnon`` its own (heap), ``RssFile`` mapped file
+    pages (the token store's pages among them: page cache, shared by the ranks and reclaimable)."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(kind + ":"):
             return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -50,7 +52,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
     tokenizer = AutoTokenizer.from_pretrained(args.processor or args.tokenizer or tiny_tokenizer_dir())
     processor = load_image_processor(args.processor) if args.processor else None
     dist.barrier()
-    rss0, started = _rss_mib(), time.perf_counter()
+    rss0, anon0, file0, started = _rss_mib(), _rss_mib("RssAnon"), _rss_mib("RssFile"), time.perf_counter()
     dataset = open_packed_store_distributed(
         args.data,
         tokenizer,
@@ -80,6 +82,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
         "all_ranks_ready_s": all_ready,
         "rss_delta_first_row_mib": rss_first - rss0,
         "rss_delta_after_rows_mib": _rss_mib() - rss0,
+        "anon_delta_after_rows_mib": _rss_mib("RssAnon") - anon0,
+        "file_delta_after_rows_mib": _rss_mib("RssFile") - file0,
         "rows_read": len(picked),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "children_peak_rss_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,

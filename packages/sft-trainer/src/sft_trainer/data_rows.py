@@ -167,21 +167,18 @@ def _pad_id(tokenizer: Any, pad_token_id: int | None) -> int:
     return pad
 
 
-def open_token_store(
+def _store_location(
     paths: str | os.PathLike | Sequence[str | os.PathLike],
     tokenizer: Any,
     *,
-    cache_dir: str | os.PathLike | None = None,
-    image_processor: Any = None,
-    end_of_turn: str | None = None,
-    chat_template_kwargs: Mapping[str, Any] | None = None,
-    vision_tokens: VisionTokens | None = None,
-    on_error: OnError = "raise",
-    num_proc: int | None = None,
-    log: Callable[[str], None] = _print,
-) -> data_store.TokenStore:
-    """The token store of these files and settings: reused when a complete one exists, else built with
-    ``num_proc`` processes (default: every core); says which in one line through ``log``."""
+    cache_dir: str | os.PathLike | None,
+    image_processor: Any,
+    end_of_turn: str | None,
+    chat_template_kwargs: Mapping[str, Any] | None,
+    vision_tokens: VisionTokens | None,
+    on_error: OnError,
+) -> tuple[list[Path], Path, dict[str, Any], dict[str, Any]]:
+    """``(files, store folder, key inputs, worker options)`` of these files and settings."""
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     files = _expand_paths(paths)
@@ -199,7 +196,66 @@ def open_token_store(
         files, tokenizer, image_processor=image_processor, options=options_for_key(options), memo=memo
     )
     data_store.save_memo(memo_path, memo)
-    final = cache / f"tokens-{key}"
+    return files, cache / f"tokens-{key}", inputs, options
+
+
+def cached_packing(
+    paths: str | os.PathLike | Sequence[str | os.PathLike],
+    tokenizer: Any,
+    seq_len: int,
+    *,
+    seed: int = 0,
+    overlong: Overlong = "truncate",
+    on_error: OnError = "raise",
+    image_processor: Any = None,
+    cache_dir: str | os.PathLike | None = None,
+) -> dict[str, Any]:
+    """What packing these files gives, from the token cache, without tokenizing: ``{"cache": folder, "cached":
+    bool}`` plus, when the store exists, ``efficiency`` and the :class:`~sft_trainer.data.PackStats` fields (the
+    pack plan is written when missing, which takes seconds)."""
+    _, final, _, _ = _store_location(
+        paths,
+        tokenizer,
+        cache_dir=cache_dir,
+        image_processor=image_processor,
+        end_of_turn=None,
+        chat_template_kwargs=None,
+        vision_tokens=None,
+        on_error=on_error,
+    )
+    try:
+        store = data_store.TokenStore.open(final)
+    except data_store.StoreError:
+        return {"cache": str(final), "cached": False}
+    plan = open_or_write_pack_plan(store, seq_len, overlong=overlong, seed=seed)
+    return {"cache": str(final), "cached": True, "efficiency": plan.efficiency, **plan.stats.as_dict()}
+
+
+def open_token_store(
+    paths: str | os.PathLike | Sequence[str | os.PathLike],
+    tokenizer: Any,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    image_processor: Any = None,
+    end_of_turn: str | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    vision_tokens: VisionTokens | None = None,
+    on_error: OnError = "raise",
+    num_proc: int | None = None,
+    log: Callable[[str], None] = _print,
+) -> data_store.TokenStore:
+    """The token store of these files and settings: reused when a complete one exists, else built with
+    ``num_proc`` processes (default: every core); says which in one line through ``log``."""
+    files, final, inputs, options = _store_location(
+        paths,
+        tokenizer,
+        cache_dir=cache_dir,
+        image_processor=image_processor,
+        end_of_turn=end_of_turn,
+        chat_template_kwargs=chat_template_kwargs,
+        vision_tokens=vision_tokens,
+        on_error=on_error,
+    )
     reason = "no cache for these files and settings yet"
     if final.exists():
         try:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import uuid
@@ -176,6 +177,8 @@ class TokenStore:
                 arrays[name] = np.load(path / f"{name}.npy", mmap_mode="r")
             except (OSError, ValueError) as exc:
                 raise StoreError(f"{path / (name + '.npy')}: unreadable ({exc})") from None
+        for name in _TOKEN_ARRAYS:  # rows read scattered slices: no readahead of neighbouring pages
+            _random_access(arrays[name])
         counts = manifest["counts"]
         expected = {
             "tokens": counts["tokens"],
@@ -198,6 +201,12 @@ class TokenStore:
         if arrays["doc_offsets"][-1] != counts["tokens"] or arrays["image_offsets"][-1] != counts["images"]:
             raise StoreError(f"{path}: document offsets do not end at the token and image counts")
         return cls(path, manifest, arrays)
+
+
+def _random_access(array: np.ndarray) -> None:
+    view = getattr(array, "_mmap", None)
+    if view is not None and hasattr(mmap, "MADV_RANDOM"):
+        view.madvise(mmap.MADV_RANDOM)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from sft_trainer.data import (
     DataError,
     OnError,
     VisionTokens,
+    _default_end_of_turn,
     _jsonl_rows,
     _open_parquet,
     _parquet_rows,
@@ -117,7 +118,14 @@ def _init_worker(tokenizer: Any, image_processor: Any, options: Mapping[str, Any
         torch.set_num_threads(1)
     except ImportError:
         pass
-    _STATE.update(tokenizer=tokenizer, image_processor=image_processor, options=dict(options), out_dir=out_dir)
+    _set_state(tokenizer, image_processor, options, out_dir)
+
+
+def _set_state(tokenizer: Any, image_processor: Any, options: Mapping[str, Any], out_dir: str) -> None:
+    options = dict(options)
+    if options["end_of_turn"] is None:  # resolved once here, not once per row (it reads the whole vocabulary)
+        options["end_of_turn"] = _default_end_of_turn(tokenizer)
+    _STATE.update(tokenizer=tokenizer, image_processor=image_processor, options=options, out_dir=out_dir)
 
 
 def image_reference(image: Any, base_dir: Path) -> tuple[int, bytes, tuple[int, int]]:
@@ -221,8 +229,7 @@ def _run_chunks(chunks: list[Chunk], num_proc: int, init_args: tuple) -> list[Ch
     if num_proc <= 1 or len(chunks) <= 1:
         saved = dict(_STATE)
         try:
-            tokenizer, image_processor, options, out_dir = init_args  # in-process: no thread cap
-            _STATE.update(tokenizer=tokenizer, image_processor=image_processor, options=dict(options), out_dir=out_dir)
+            _set_state(*init_args)  # in-process: no thread cap
             for chunk in chunks:
                 results.append(tokenize_chunk(chunk))
                 if results[-1].error:
