@@ -49,6 +49,11 @@ of every document has label -100.
 rows: :func:`rows_for_rank` takes the *dp* coordinates only. Building is deterministic, so every process may build
 the dataset itself (each reads and tokenizes the whole file once); pass ``group=`` to :meth:`PackedDataset.build`
 to have rank 0 of that group build it and broadcast it to the others instead.
+
+This module's :class:`PackedDataset` holds its rows in memory. Training (:func:`build_training_rows`) reads them
+from the on-disk token cache instead: :mod:`sft_trainer.data_store` (the store), :mod:`sft_trainer.data_tokenize`
+(parallel tokenization), :mod:`sft_trainer.data_packing` (best-fit-decreasing pack plans) and
+:mod:`sft_trainer.data_rows` (rows assembled per index, images processed lazily).
 """
 
 from __future__ import annotations
