@@ -166,7 +166,7 @@ def test_best_fit_decreasing_fills_rows_and_is_deterministic(tmp_path, tokenizer
     again = best_fit_decreasing(lengths, 8192, seed=3)
     other = best_fit_decreasing(lengths, 8192, seed=4)
     assert np.array_equal(again[1], docs) and not np.array_equal(other[1], docs)
-    dataset = open_packed_store(generated, tokenizer, 8192, cache_dir=tmp_path / "cache", on_error="skip")
+    dataset = open_packed_store(generated, tokenizer, 8192, cache_dir=tmp_path / "cache", on_error="skip", num_proc=1)
     stats = dataset.stats
     assert stats.documents == 1200 and stats.padding_tokens / (stats.rows * 8192) < 0.01
     assert dataset.efficiency == 1 - stats.padding_tokens / (stats.rows * 8192)
@@ -216,7 +216,9 @@ def _open_on_rank(topology, data: str, cache: str, vl: bool):
     else:
         tokenizer, processor = AutoTokenizer.from_pretrained(tiny_tokenizer_dir()), None
     path = data if topology.rank == 0 else data + ".not-read-on-this-rank"  # one process per node reads
-    dataset = open_packed_store_distributed(path, tokenizer, 128, seed=2, cache_dir=cache, image_processor=processor)
+    dataset = open_packed_store_distributed(
+        path, tokenizer, 128, seed=2, cache_dir=cache, image_processor=processor, num_proc=1
+    )
     return dataset.stats, [dataset[i].as_dict() for i in range(len(dataset))]
 
 

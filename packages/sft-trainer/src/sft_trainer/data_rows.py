@@ -18,6 +18,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,9 @@ from sft_trainer.data import (
 )
 from sft_trainer.data_packing import PackPlan, open_or_write_pack_plan
 from sft_trainer.data_tokenize import default_num_proc, options_for_key, token_options, write_token_store
+
+BUILD_TIMEOUT = timedelta(hours=12)
+"""How long the other ranks wait for their node's builder to tokenize and pack."""
 
 
 def _print(message: str) -> None:
@@ -310,8 +314,11 @@ def open_packed_store_distributed(
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return open_packed_store(paths, tokenizer, seq_len, **kwargs)
     rank = dist.get_rank()
+    # The waiting ranks sit in these collectives while their builder tokenizes, which may take far longer than the
+    # default process group's timeout (NCCL: 10 minutes): they wait in a CPU group of their own with a long one.
+    group = dist.new_group(backend="gloo", timeout=BUILD_TIMEOUT)
     hosts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, socket.gethostname())
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
     builder = hosts.index(hosts[rank])  # the node's lowest rank builds; its other ranks map what it wrote
     mine: tuple[str, Any] = ("idle", None)
     dataset: StoreDataset | None = None
@@ -324,7 +331,8 @@ def open_packed_store_distributed(
             error = exc
             mine = ("error", _portable_error(exc))
     statuses: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(statuses, mine)
+    dist.all_gather_object(statuses, mine, group=group)
+    dist.destroy_process_group(group)
     failed = next((value for status, value in statuses if status == "error"), None)
     if failed is not None:
         raise error if error is not None else failed
