@@ -129,6 +129,10 @@ def test_broken_or_partial_cache_is_rebuilt(tmp_path, tokenizer):
     open_token_store(tiny_chat_path(), tokenizer, cache_dir=cache, num_proc=1, log=logs.append)
     assert "incomplete" in logs[-2] and "manifest.json" in logs[-2]
     assert len(list(cache.glob(".tokens-*.broken-*"))) == 2 and len(list(cache.glob("tokens-*"))) == 1
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    with pytest.raises(DataError, match=r"a-file/cache cannot be created .*; set data\.cache_dir"):
+        open_token_store(tiny_chat_path(), tokenizer, cache_dir=blocked / "cache")
     plan_dir = open_packed_store(tiny_chat_path(), tokenizer, 128, cache_dir=cache).plan.path
     (plan_dir / "row_docs.npy").write_bytes(b"not an array")
     assert open_packed_store(tiny_chat_path(), tokenizer, 128, cache_dir=cache).stats.documents == 400

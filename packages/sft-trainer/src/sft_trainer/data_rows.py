@@ -187,7 +187,13 @@ def _store_location(
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     files = _expand_paths(paths)
     cache = Path(cache_dir) if cache_dir is not None else data_store.default_cache_dir()
-    cache.mkdir(parents=True, exist_ok=True)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(
+            f"token cache folder {cache} cannot be created ({exc.strerror}); set data.cache_dir (or "
+            "SFT_TRAINER_CACHE) to a writable folder"
+        ) from None
     memo_path = cache / "file-digests.json"
     memo = data_store.load_memo(memo_path)
     options = token_options(
