@@ -14,7 +14,7 @@ import os
 import shutil
 import time
 from array import array
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -248,7 +248,7 @@ def _run_chunks(chunks: list[Chunk], num_proc: int, init_args: tuple) -> list[Ch
     return results
 
 
-def _merge(tmp: Path, shards: Path, results: list[ChunkResult]) -> dict[str, int]:
+def _merge(tmp: Path, shards: Path, chunks: list[Chunk], results: list[ChunkResult]) -> dict[str, int]:
     """Copy the shards into the store's flat arrays, in chunk order, one shard in memory at a time."""
     counts = {
         "documents": sum(r.documents for r in results),
@@ -287,6 +287,7 @@ def _merge(tmp: Path, shards: Path, results: list[ChunkResult]) -> dict[str, int
         out["tokens"][t0 : t0 + nt] = shard["tokens"]
         out["loss_mask"][t0 : t0 + nt] = shard["loss_mask"]
         out["doc_offsets"][d0 + 1 : d0 + nd + 1] = t0 + np.cumsum(shard["doc_lens"])
+        out["doc_source"][d0 : d0 + nd] = chunks[result.index].source
         out["doc_row"][d0 : d0 + nd] = shard["doc_row"]
         out["doc_loss"][d0 : d0 + nd] = shard["doc_loss"]
         out["image_offsets"][d0 + 1 : d0 + nd + 1] = i0 + np.cumsum(shard["doc_images"])
@@ -325,8 +326,7 @@ def write_token_store(
         failed = next((r for r in results if r.error), None)
         if failed is not None:
             raise DataError(failed.error)
-        counts = _merge(tmp, shards, results)
-        _fill_sources(tmp, chunks, counts["documents"], results)
+        counts = _merge(tmp, shards, chunks, results)
         shutil.rmtree(shards)
         seconds = time.perf_counter() - started
         reasons = [m for r in results for m in r.skip_reasons][:_MAX_REPORTED]
@@ -349,17 +349,6 @@ def write_token_store(
     return data_store.TokenStore.open(final)
 
 
-def _fill_sources(tmp: Path, chunks: list[Chunk], documents: int, results: list[ChunkResult]) -> None:
-    """Each document's file index (chunks know their file; a shard knows only its document count)."""
-    sources = np.lib.format.open_memmap(tmp / "doc_source.npy", mode="r+")
-    at = 0
-    for result in results:
-        sources[at : at + result.documents] = chunks[result.index].source
-        at += result.documents
-    assert at == documents
-    sources.flush()
-
-
 def token_options(
     *,
     end_of_turn: str | None,
@@ -378,6 +367,3 @@ def token_options(
 
 def options_for_key(options: Mapping[str, Any]) -> dict[str, Any]:
     return {**options, "vision_tokens": asdict(options["vision_tokens"])}
-
-
-LogFn = Callable[[str], None]
