@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 
@@ -210,6 +211,8 @@ def test_store_rows_hold_the_documents_with_exact_labels(tmp_path, tokenizer):
     assert sum(dataset[i].padding for i in range(len(dataset))) == dataset.stats.padding_tokens
     with pytest.raises(IndexError):
         dataset[len(dataset)]
+    copy = pickle.loads(pickle.dumps(dataset))  # what a DataLoader worker receives: the paths, mapped again
+    assert len(pickle.dumps(dataset)) < 4096 and torch.equal(copy[3].labels, dataset[3].labels)
     truncated = open_packed_store(tiny_chat_path(), tokenizer, 32, cache_dir=tmp_path, overlong="drop")
     assert truncated.stats.dropped > 0 and truncated.stats.documents == 400 - truncated.stats.dropped
 

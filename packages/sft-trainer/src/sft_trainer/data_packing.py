@@ -102,6 +102,9 @@ class PackPlan:
     seq_len: int
     seed: int
 
+    def __reduce__(self):
+        return (type(self).open, (self.path,))
+
     @property
     def efficiency(self) -> float:
         """The fraction of row tokens that are document tokens (1 - padding)."""

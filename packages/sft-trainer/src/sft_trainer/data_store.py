@@ -155,6 +155,10 @@ class TokenStore:
     def doc_lengths(self) -> np.ndarray:
         return np.diff(self.arrays["doc_offsets"])
 
+    def __reduce__(self):
+        # Sent to another process (a DataLoader worker) by path: the arrays are mapped again there, not copied.
+        return (type(self).open, (self.path,))
+
     def image_ref(self, index: int) -> str | bytes:
         """Image ``index``'s reference as the data file gave it: a path or data URI (str) or raw bytes."""
         offsets = self.arrays["image_ref_offsets"]
