@@ -283,3 +283,15 @@ def test_lazy_images_equal_eager_ones(tmp_path):
     row = next(i for i in range(len(dataset)) if owner in plan.row_docs[plan.row_offsets[i] : plan.row_offsets[i + 1]])
     with pytest.raises(DataError, match=rf"data\.jsonl: row {arrays['doc_row'][owner]}: image '{ref}' changed after"):
         dataset[row]
+
+
+def test_plan_states_the_packing_efficiency_from_the_cache(tmp_path, tokenizer, capsys):
+    from sft_trainer.plan import main as plan_main
+
+    args = ["--data.cache_dir", str(tmp_path), "--data.seq_len", "256"]
+    assert plan_main(args)["data"]["cached"] is False
+    assert "packing efficiency known once the token cache is built" in capsys.readouterr().out
+    dataset = open_packed_store(tiny_chat_path(), tokenizer, 256, cache_dir=tmp_path, num_proc=1)
+    data = plan_main(args)["data"]
+    assert data["cached"] and data["efficiency"] == dataset.efficiency and data["rows"] == len(dataset)
+    assert f"packing efficiency {dataset.efficiency:.2%}" in capsys.readouterr().out
