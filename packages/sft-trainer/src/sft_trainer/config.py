@@ -346,6 +346,18 @@ class DataConfig(_Section):
         description="Image paths in a data file resolve against its folder and must stay inside it (no absolute "
         "path, no '..' leading out); true allows any path the process can read.",
     )
+    cache_dir: str | None = Field(
+        None,
+        description="Folder of the token cache: tokenized documents and pack plans on disk, keyed by the data files' "
+        "content, tokenizer, template, processor and packing settings, and reused by later runs; unset: "
+        "$SFT_TRAINER_CACHE, else ~/.cache/sft-trainer/data.",
+    )
+    num_proc: int = Field(
+        0,
+        ge=0,
+        description="Processes that tokenize a dataset not yet in the cache (local rank 0 of each node runs them "
+        "while the other ranks wait); 0 = every CPU core of the machine.",
+    )
 
 
 class ParallelConfig(_Section):

@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import Subset
 
 from cp_core import CPTopology
 from sft_trainer.checkpoint import check_resume, maybe_resume, resume_checkpoint, save_checkpoint
@@ -235,9 +236,7 @@ def worker(cfg) -> dict[str, Any]:
 
             image_processor = load_image_processor(cfg.processor_path)
         try:  # the data first: its mistakes show in seconds, before any weight loads
-            rows, data_stats = build_training_rows(
-                cfg, tokenizer, image_processor=image_processor, group=topology.group
-            )
+            rows, data_stats = build_training_rows(cfg, tokenizer, image_processor=image_processor)
         except DataError as exc:
             _stop(rank, f"data.path={str(cfg.data_path)!r}: {exc}")
         except Exception as exc:
@@ -265,7 +264,7 @@ def worker(cfg) -> dict[str, Any]:
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: lr_lambda(s, warmup, steps, cfg.train.decay, cfg.train.min_lr_ratio)
         )
-        my_rows = rows[mesh.get_local_rank("dp") :: dp]
+        my_rows = Subset(rows, range(mesh.get_local_rank("dp"), len(rows), dp))  # rows are read when a step asks
         if not my_rows:
             raise SystemExit(f"no packed rows for dp rank {mesh.get_local_rank('dp')} ({len(rows)} rows for dp={dp})")
         out_dir = Path(cfg.output_dir)
@@ -277,7 +276,8 @@ def worker(cfg) -> dict[str, Any]:
         if rank == 0:
             print(
                 f"[sft-train] dp={dp} cp={cp} backend={backend} device={device.type}; "
-                f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; data: {data_stats}",
+                f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; data: {data_stats}; packing "
+                f"efficiency {rows.efficiency:.2%} (document tokens / row tokens)",
                 flush=True,
             )
         losses = []
