@@ -66,8 +66,9 @@ def _tiny_checkpoint(folder):
     from cp_models import Qwen35ForCausalLM
     from sft_trainer.config import tiny_qwen35_config
 
-    vocab = len(AutoTokenizer.from_pretrained(SHIPPED_TOKENIZER))
-    Qwen35ForCausalLM(tiny_qwen35_config(vocab)).save_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(SHIPPED_TOKENIZER)
+    Qwen35ForCausalLM(tiny_qwen35_config(len(tokenizer))).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)  # a checkpoint folder holds its tokenizer, the default for model.path
     return folder
 
 
