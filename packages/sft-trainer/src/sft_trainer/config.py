@@ -334,6 +334,18 @@ class DataConfig(_Section):
         "raise", description="A malformed record stops the run ('raise') or is skipped and counted ('skip')."
     )
     seed: int = Field(0, description="Seed of the dataset shuffle and packing order.")
+    cache_dir: str | None = Field(
+        None,
+        description="Folder of the token cache: tokenized documents and pack plans on disk, keyed by the data files' "
+        "content, tokenizer, template, processor and packing settings, and reused by later runs; unset: "
+        "$SFT_TRAINER_CACHE, else ~/.cache/sft-trainer/data.",
+    )
+    num_proc: int = Field(
+        0,
+        ge=0,
+        description="Processes that tokenize a dataset not yet in the cache (local rank 0 of each node runs them "
+        "while the other ranks wait); 0 = every CPU core of the machine.",
+    )
 
 
 class ParallelConfig(_Section):

@@ -49,6 +49,11 @@ of every document has label -100.
 rows: :func:`rows_for_rank` takes the *dp* coordinates only. Building is deterministic, so every process may build
 the dataset itself (each reads and tokenizes the whole file once); pass ``group=`` to :meth:`PackedDataset.build`
 to have rank 0 of that group build it and broadcast it to the others instead.
+
+This module's :class:`PackedDataset` holds its rows in memory. Training (:func:`build_training_rows`) reads them
+from the on-disk token cache instead: :mod:`sft_trainer.data_store` (the store), :mod:`sft_trainer.data_tokenize`
+(parallel tokenization), :mod:`sft_trainer.data_packing` (best-fit-decreasing pack plans) and
+:mod:`sft_trainer.data_rows` (rows assembled per index, images processed lazily).
 """
 
 from __future__ import annotations
@@ -258,10 +263,15 @@ def _expand_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> lis
     return files
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
-    """``(line_number, row, problem)`` for every non-blank line (``problem`` set when it is not valid JSON)."""
+def _jsonl_rows(
+    path: Path, start: int = 0, end: int | None = None, first_line: int = 1
+) -> Iterator[tuple[int, Any, str | None]]:
+    """``(line_number, row, problem)`` for every non-blank line (``problem`` set when it is not valid JSON); with
+    ``start``/``end``, only the lines in that byte range (``start`` at a line start, numbered from ``first_line``)."""
     with path.open("rb") as f:
-        for number, raw in enumerate(f, start=1):
+        f.seek(start)
+        lines = f if end is None else io.BytesIO(f.read(end - start))
+        for number, raw in enumerate(lines, start=first_line):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
@@ -275,7 +285,7 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
                 yield number, None, f"invalid JSON ({exc.msg} at column {exc.colno})"
 
 
-def _parquet_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
+def _open_parquet(path: Path):
     import pyarrow.parquet as pq
 
     try:
@@ -285,8 +295,16 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
     names = parquet.schema_arrow.names
     if "messages" not in names:
         raise DataError(f"{path}: no 'messages' column (columns: {names})")
-    number = 0
-    for batch in parquet.iter_batches(batch_size=1024, columns=["messages"]):
+    return parquet
+
+
+def _parquet_rows(
+    path: Path, row_groups: Sequence[int] | None = None, first_row: int = 1
+) -> Iterator[tuple[int, Any, str | None]]:
+    """``(row_number, row, None)`` of every row (of ``row_groups`` only when given, numbered from ``first_row``)."""
+    parquet = _open_parquet(path)
+    number = first_row - 1
+    for batch in parquet.iter_batches(batch_size=1024, columns=["messages"], row_groups=row_groups):
         for row in batch.to_pylist():
             number += 1
             yield number, row, None
@@ -1120,16 +1138,17 @@ class PackedDataset(Dataset):
         raise error if error is not None else value
 
 
-def build_training_rows(
-    cfg: Any, tokenizer: Any, *, image_processor: Any = None, group: dist.ProcessGroup | None = None
-) -> tuple[list[PackedRow], PackStats]:
-    """All packed rows and the stats for a run config (reads ``cfg.data``: ``path`` (or ``cfg.data_path``, the
-    path with its default filled in), ``seq_len``, ``overlong``, ``on_error``, ``seed``), via
-    :meth:`PackedDataset.build`; ``image_processor`` is needed when the data has images (``data.processor``).
-    Pick a dp replica's rows with :func:`rows_for_rank` on ``PackedDataset`` or, on this list,
-    ``rows[dp_rank::dp]``; every CP rank must get the same rows."""
+def build_training_rows(cfg: Any, tokenizer: Any, *, image_processor: Any = None) -> tuple[Any, PackStats]:
+    """The training rows and their stats for a run config (reads ``cfg.data``: ``path`` (or ``cfg.data_path``, the
+    path with its default filled in), ``seq_len``, ``overlong``, ``on_error``, ``seed``, and ``cache_dir`` /
+    ``num_proc`` when set): a :class:`sft_trainer.data_rows.StoreDataset` of best-fit-decreasing rows read from
+    the token cache (built by local rank 0 of each node when missing), the same rows on every rank.
+    ``image_processor`` is needed when the data has images (``data.processor``). Pick a dp replica's rows with
+    :func:`rows_for_rank`; every CP rank must get the same rows."""
+    from sft_trainer.data_rows import open_packed_store_distributed
+
     data = cfg.data
-    dataset = PackedDataset.build(
+    dataset = open_packed_store_distributed(
         getattr(cfg, "data_path", None) or data.path,
         tokenizer,
         data.seq_len,
@@ -1137,9 +1156,10 @@ def build_training_rows(
         overlong=data.overlong,
         on_error=data.on_error,
         image_processor=image_processor,
-        group=group,
+        cache_dir=getattr(data, "cache_dir", None),
+        num_proc=getattr(data, "num_proc", 0) or None,
     )
-    return [dataset[i] for i in range(len(dataset))], dataset.stats
+    return dataset, dataset.stats
 
 
 def _portable_error(exc: Exception) -> Exception:

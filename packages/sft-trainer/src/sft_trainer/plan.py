@@ -1211,7 +1211,37 @@ def build_plan(cfg, *, gpu_memory_gib: float | None = None, nvlink_gbps: float =
         "longest_seq_len": {str(k): v for k, v in longest.items()},
         "problems": problems,
         "notes": notes,
+        "data": _data_packing(cfg),
     }
+
+
+def _data_packing(cfg) -> dict[str, Any]:
+    """The packing of the run's data from the token cache (``{"cached": False, ...}`` before a run has built it;
+    ``{"error": ...}`` when the data or tokenizer cannot be read, which the run itself will report)."""
+    from transformers import AutoTokenizer
+
+    from sft_trainer.data_rows import cached_packing
+
+    data = cfg.data
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
+        processor = None
+        if cfg.vision_language and cfg.processor_path:
+            from sft_trainer.data import load_image_processor
+
+            processor = load_image_processor(cfg.processor_path)
+        return cached_packing(
+            cfg.data_path,
+            tokenizer,
+            data.seq_len,
+            seed=data.seed,
+            overlong=data.overlong,
+            on_error=data.on_error,
+            image_processor=processor,
+            cache_dir=data.cache_dir,
+        )
+    except Exception as exc:  # the run reports data problems with their file and row; the plan only notes them
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def _source(cfg) -> str:
@@ -1306,6 +1336,18 @@ def format_plan(plan: Mapping[str, Any]) -> str:
         + (f" ({r['attention_strategy']})" if r["attention_strategy"] not in (None, r["attention_cp"]) else "")
         + f", {layout}, activation checkpointing {'on' if r['activation_checkpointing'] else 'off'}"
     )
+    d = plan.get("data", {})
+    if d.get("cached"):
+        out.append(
+            f"  data: {d['rows']} rows of {r['seq_len']} tokens, {d['documents']} documents, packing efficiency "
+            f"{d['efficiency']:.2%} (padding {d['padding_tokens']} tokens; token cache {d['cache']})"
+        )
+    elif "cache" in d:
+        out.append(
+            f"  data: packing efficiency known once the token cache is built (the first run builds {d['cache']})"
+        )
+    elif "error" in d:
+        out.append(f"  data: not read ({d['error']})")
     out.append("")
     out.append(
         f"CP traffic per rank for one row of {r['seq_len']} tokens, forward + backward (busiest rank, one document "

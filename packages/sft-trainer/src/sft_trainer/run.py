@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils.data import Subset
 
 from cp_core import CPTopology
 from sft_trainer.train import (
@@ -235,12 +236,10 @@ def worker(cfg) -> dict[str, Any]:
             optimizer, lambda s: lr_lambda(s, warmup, steps, cfg.train.decay, cfg.train.min_lr_ratio)
         )
         try:
-            rows, data_stats = build_training_rows(
-                cfg, tokenizer, image_processor=image_processor, group=topology.group
-            )
+            rows, data_stats = build_training_rows(cfg, tokenizer, image_processor=image_processor)
         except DataError as exc:
             _stop(rank, f"data.path={str(cfg.data_path)!r}: {exc}")
-        my_rows = rows[mesh.get_local_rank("dp") :: dp]
+        my_rows = Subset(rows, range(mesh.get_local_rank("dp"), len(rows), dp))  # rows are read when a step asks
         if not my_rows:
             raise SystemExit(f"no packed rows for dp rank {mesh.get_local_rank('dp')} ({len(rows)} rows for dp={dp})")
         out_dir = Path(cfg.output_dir)
@@ -252,7 +251,8 @@ def worker(cfg) -> dict[str, Any]:
         if rank == 0:
             print(
                 f"[sft-train] dp={dp} cp={cp} backend={backend} device={device.type}; "
-                f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; data: {data_stats}",
+                f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; data: {data_stats}; packing "
+                f"efficiency {rows.efficiency:.2%} (document tokens / row tokens)",
                 flush=True,
             )
         losses = []

@@ -1,0 +1,351 @@
+"""Training rows assembled on demand from a token store and its pack plan, and opening them on every rank.
+
+::
+
+    dataset = open_packed_store("chats.jsonl", tokenizer, seq_len=8192, seed=0, cache_dir=cache)
+    row = dataset[i]                  # a PackedRow: input_ids/labels int64 [S], seq_lens, images processed now
+
+A row is built from memory-mapped slices when it is asked for, so a rank's memory does not grow with the dataset;
+its images are read and run through the image processor then (never kept). In a distributed job one process per
+node (its lowest rank) tokenizes and packs while the others wait; every rank then maps the same files
+(:func:`open_packed_store_distributed`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset
+
+from sft_trainer import data_store
+from sft_trainer.data import (
+    IGNORE_INDEX,
+    DataError,
+    OnError,
+    Overlong,
+    PackedRow,
+    PackStats,
+    VisionTokens,
+    _expand_paths,
+    _portable_error,
+    load_image,
+)
+from sft_trainer.data_packing import PackPlan, open_or_write_pack_plan
+from sft_trainer.data_tokenize import default_num_proc, options_for_key, token_options, write_token_store
+
+BUILD_TIMEOUT = timedelta(hours=12)
+"""How long the other ranks wait for their node's builder to tokenize and pack."""
+
+
+def _print(message: str) -> None:
+    print(f"[sft-train] {message}", file=sys.stderr, flush=True)
+
+
+class StoreDataset(Dataset):
+    """Map-style dataset of packed rows read from a token store through a pack plan; ``dataset[i]`` is a
+    :class:`~sft_trainer.data.PackedRow` (int64 tensors, images processed with ``image_processor``)."""
+
+    def __init__(self, store: data_store.TokenStore, plan: PackPlan, *, pad_token_id: int, image_processor: Any = None):
+        if plan.stats.rows == 0:
+            stats, hint = plan.stats, ""
+            if stats.dropped:
+                hint = (
+                    f"; all {stats.dropped} document(s) were longer than data.seq_len={plan.seq_len} and "
+                    "data.overlong='drop' dropped them: raise data.seq_len or set data.overlong='truncate'"
+                )
+            elif not stats.documents:
+                hint = "; the data holds no conversation with any tokens"
+            raise DataError(f"no packed rows: nothing to train on ({stats.summary()}){hint}")
+        if store.has_images and image_processor is None:
+            raise DataError(
+                f"{store.arrays['image_grid'].shape[0]} image(s) in the data but no image processor is set: train a "
+                "Qwen3.5-VL model with data.processor naming its processor folder"
+            )
+        self.store, self.plan = store, plan
+        self.seq_len, self.seed = plan.seq_len, plan.seed
+        self.pad_token_id = pad_token_id
+        self.image_processor = image_processor
+
+    @property
+    def stats(self) -> PackStats:
+        return self.plan.stats
+
+    @property
+    def efficiency(self) -> float:
+        return self.plan.efficiency
+
+    def __len__(self) -> int:
+        return self.plan.stats.rows
+
+    def __getitem__(self, index: int) -> PackedRow:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"row {index} of {len(self)}")
+        index %= len(self)
+        arrays, plan = self.store.arrays, self.plan
+        docs = plan.row_docs[plan.row_offsets[index] : plan.row_offsets[index + 1]].tolist()
+        ids = np.full(self.seq_len, self.pad_token_id, np.int64)
+        labels = np.full(self.seq_len, IGNORE_INDEX, np.int64)
+        lens, images, at = [], [], 0
+        for doc in docs:
+            start, take = int(arrays["doc_offsets"][doc]), int(plan.doc_take[doc])
+            tokens = arrays["tokens"][start : start + take]
+            ids[at : at + take] = tokens
+            labels[at : at + take - 1] = np.where(arrays["loss_mask"][start + 1 : start + take] != 0, tokens[1:], -100)
+            lens.append(take)
+            at += take
+            first, last = int(arrays["image_offsets"][doc]), int(arrays["image_offsets"][doc + 1])
+            images += [(doc, i) for i in range(first, last) if arrays["image_spans"][i][1] <= take]
+        padding = self.seq_len - at
+        if padding:
+            lens.append(padding)
+        pixels, grids = self._images(images) if images else (None, None)
+        labels_t = torch.from_numpy(labels)
+        return PackedRow(
+            input_ids=torch.from_numpy(ids),
+            labels=labels_t,
+            seq_lens=tuple(lens),
+            padding=padding,
+            num_loss_tokens=int((labels_t != IGNORE_INDEX).sum()),
+            pixel_values=pixels,
+            image_grid_thw=grids,
+        )
+
+    def _where(self, doc: int) -> str:
+        source = self.store.manifest["sources"][int(self.store.arrays["doc_source"][doc])]
+        return f"{source}: row {int(self.store.arrays['doc_row'][doc])}"
+
+    def _images(self, images: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read and process a row's images (in document order) and check they still have the stored grids."""
+        arrays = self.store.arrays
+        pictures = []
+        for doc, i in images:
+            ref = self.store.image_ref(i)
+            base = Path(self.store.manifest["sources"][int(arrays["doc_source"][doc])]).parent
+            size, mtime = arrays["image_stat"][i].tolist()
+            if isinstance(ref, str) and size >= 0:
+                path = Path(ref.removeprefix("file://"))
+                stat = (path if path.is_absolute() else base / path).stat()
+                if (stat.st_size, stat.st_mtime_ns) != (size, mtime):
+                    raise DataError(
+                        f"{self._where(doc)}: image {ref!r} changed after the data cache was built; delete the cache "
+                        f"folder {self.store.path} to rebuild it"
+                    )
+            try:
+                pictures.append(load_image(ref, base))
+            except ValueError as exc:
+                raise DataError(f"{self._where(doc)}: {exc}") from None
+        # One processor call per document, as tokenization made them: batching images of several sizes in one
+        # call does not give the same pixel values.
+        all_pixels, all_grids = [], []
+        for doc in dict.fromkeys(doc for doc, _ in images):
+            picked = [k for k, (owner, _) in enumerate(images) if owner == doc]
+            processed = self.image_processor(images=[pictures[k] for k in picked], return_tensors="pt")
+            grids = torch.as_tensor(processed["image_grid_thw"]).to(torch.int64).reshape(-1, 3)
+            expected = torch.from_numpy(np.stack([arrays["image_grid"][images[k][1]] for k in picked]))
+            if not torch.equal(grids, expected):
+                raise DataError(
+                    f"{self._where(doc)}: the image processor now gives grids {grids.tolist()}, the data cache "
+                    f"holds {expected.tolist()}; delete {self.store.path} to rebuild it"
+                )
+            all_pixels.append(torch.as_tensor(processed["pixel_values"]).to(torch.float32))
+            all_grids.append(grids)
+        return torch.cat(all_pixels), torch.cat(all_grids)
+
+
+def _pad_id(tokenizer: Any, pad_token_id: int | None) -> int:
+    if pad_token_id is not None:
+        return pad_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise ValueError("the tokenizer has neither a pad nor an eos token; pass pad_token_id")
+    return pad
+
+
+def _store_location(
+    paths: str | os.PathLike | Sequence[str | os.PathLike],
+    tokenizer: Any,
+    *,
+    cache_dir: str | os.PathLike | None,
+    image_processor: Any,
+    end_of_turn: str | None,
+    chat_template_kwargs: Mapping[str, Any] | None,
+    vision_tokens: VisionTokens | None,
+    on_error: OnError,
+) -> tuple[list[Path], Path, dict[str, Any], dict[str, Any]]:
+    """``(files, store folder, key inputs, worker options)`` of these files and settings."""
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    files = _expand_paths(paths)
+    cache = Path(cache_dir) if cache_dir is not None else data_store.default_cache_dir()
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(
+            f"token cache folder {cache} cannot be created ({exc.strerror}); set data.cache_dir (or "
+            "SFT_TRAINER_CACHE) to a writable folder"
+        ) from None
+    memo_path = cache / "file-digests.json"
+    memo = data_store.load_memo(memo_path)
+    options = token_options(
+        end_of_turn=end_of_turn,
+        chat_template_kwargs=chat_template_kwargs,
+        vision_tokens=vision_tokens,
+        on_error=on_error,
+    )
+    key, inputs = data_store.token_key(
+        files, tokenizer, image_processor=image_processor, options=options_for_key(options), memo=memo
+    )
+    data_store.save_memo(memo_path, memo)
+    return files, cache / f"tokens-{key}", inputs, options
+
+
+def cached_packing(
+    paths: str | os.PathLike | Sequence[str | os.PathLike],
+    tokenizer: Any,
+    seq_len: int,
+    *,
+    seed: int = 0,
+    overlong: Overlong = "truncate",
+    on_error: OnError = "raise",
+    image_processor: Any = None,
+    cache_dir: str | os.PathLike | None = None,
+) -> dict[str, Any]:
+    """What packing these files gives, from the token cache, without tokenizing: ``{"cache": folder, "cached":
+    bool}`` plus, when the store exists, ``efficiency`` and the :class:`~sft_trainer.data.PackStats` fields (the
+    pack plan is written when missing, which takes seconds)."""
+    _, final, _, _ = _store_location(
+        paths,
+        tokenizer,
+        cache_dir=cache_dir,
+        image_processor=image_processor,
+        end_of_turn=None,
+        chat_template_kwargs=None,
+        vision_tokens=None,
+        on_error=on_error,
+    )
+    try:
+        store = data_store.TokenStore.open(final)
+    except data_store.StoreError:
+        return {"cache": str(final), "cached": False}
+    plan = open_or_write_pack_plan(store, seq_len, overlong=overlong, seed=seed)
+    return {"cache": str(final), "cached": True, "efficiency": plan.efficiency, **plan.stats.as_dict()}
+
+
+def open_token_store(
+    paths: str | os.PathLike | Sequence[str | os.PathLike],
+    tokenizer: Any,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    image_processor: Any = None,
+    end_of_turn: str | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    vision_tokens: VisionTokens | None = None,
+    on_error: OnError = "raise",
+    num_proc: int | None = None,
+    log: Callable[[str], None] = _print,
+) -> data_store.TokenStore:
+    """The token store of these files and settings: reused when a complete one exists, else built with
+    ``num_proc`` processes (default: every core); says which in one line through ``log``."""
+    files, final, inputs, options = _store_location(
+        paths,
+        tokenizer,
+        cache_dir=cache_dir,
+        image_processor=image_processor,
+        end_of_turn=end_of_turn,
+        chat_template_kwargs=chat_template_kwargs,
+        vision_tokens=vision_tokens,
+        on_error=on_error,
+    )
+    reason = "no cache for these files and settings yet"
+    if final.exists():
+        try:
+            store = data_store.TokenStore.open(final)
+            counts = store.manifest["counts"]
+            log(f"data cache: reusing {final} ({counts['documents']} documents, {counts['tokens']} tokens)")
+            return store
+        except data_store.StoreError as exc:
+            reason = f"the cache there is incomplete ({exc}); set aside as {data_store.set_aside(final).name}"
+    procs = num_proc or default_num_proc()
+    log(f"data cache: building {final} from {len(files)} file(s) with {procs} process(es) ({reason})")
+    started = time.perf_counter()
+    store = write_token_store(
+        final, files, tokenizer, image_processor=image_processor, options=options, key_inputs=inputs, num_proc=procs
+    )
+    seconds = time.perf_counter() - started
+    used = store.manifest["build"]["processes"]
+    log(
+        f"data cache: built {store.num_documents} documents, {store.num_tokens} tokens in {seconds:.1f} s "
+        f"({store.num_tokens / max(seconds, 1e-9) / used:.0f} tokens/s per process, {used} process(es))"
+    )
+    return store
+
+
+def open_packed_store(
+    paths: str | os.PathLike | Sequence[str | os.PathLike],
+    tokenizer: Any,
+    seq_len: int,
+    *,
+    seed: int = 0,
+    overlong: Overlong = "truncate",
+    pad_token_id: int | None = None,
+    image_processor: Any = None,
+    **store_kwargs: Any,
+) -> StoreDataset:
+    """Tokenize (or reuse) and pack the files: a :class:`StoreDataset` of best-fit-decreasing rows."""
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+    if overlong not in ("truncate", "drop"):
+        raise ValueError(f"overlong must be 'truncate' or 'drop', got {overlong!r}")
+    store = open_token_store(paths, tokenizer, image_processor=image_processor, **store_kwargs)
+    plan = open_or_write_pack_plan(store, seq_len, overlong=overlong, seed=seed)
+    return StoreDataset(store, plan, pad_token_id=_pad_id(tokenizer, pad_token_id), image_processor=image_processor)
+
+
+def open_packed_store_distributed(
+    paths: str | os.PathLike | Sequence[str | os.PathLike], tokenizer: Any, seq_len: int, **kwargs: Any
+) -> StoreDataset:
+    """:func:`open_packed_store` on the lowest rank of every node (host name) while the other ranks wait, which
+    then map the store their node's builder wrote (the files and tokenizer are not read there). An error on any
+    builder is raised on every rank (no rank waits forever)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return open_packed_store(paths, tokenizer, seq_len, **kwargs)
+    rank = dist.get_rank()
+    # The waiting ranks sit in these collectives while their builder tokenizes, which may take far longer than the
+    # default process group's timeout (NCCL: 10 minutes): they wait in a CPU group of their own with a long one.
+    group = dist.new_group(backend="gloo", timeout=BUILD_TIMEOUT)
+    hosts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    builder = hosts.index(hosts[rank])  # the node's lowest rank builds; its other ranks map what it wrote
+    mine: tuple[str, Any] = ("idle", None)
+    dataset: StoreDataset | None = None
+    error: BaseException | None = None
+    if builder == rank:
+        try:
+            dataset = open_packed_store(paths, tokenizer, seq_len, **kwargs)
+            mine = ("ok", (str(dataset.store.path), str(dataset.plan.path)))
+        except Exception as exc:
+            error = exc
+            mine = ("error", _portable_error(exc))
+    statuses: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(statuses, mine, group=group)
+    dist.destroy_process_group(group)
+    failed = next((value for status, value in statuses if status == "error"), None)
+    if failed is not None:
+        raise error if error is not None else failed
+    if dataset is not None:
+        return dataset
+    store_path, plan_path = statuses[builder][1]
+    store = data_store.TokenStore.open(Path(store_path))
+    plan = PackPlan.open(Path(plan_path))
+    pad = _pad_id(tokenizer, kwargs.get("pad_token_id"))
+    return StoreDataset(store, plan, pad_token_id=pad, image_processor=kwargs.get("image_processor"))

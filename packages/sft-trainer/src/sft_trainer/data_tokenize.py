@@ -1,0 +1,369 @@
+"""Tokenize data files into a token store (:mod:`sft_trainer.data_store`), in parallel processes.
+
+The files are cut into chunks (byte ranges of whole lines for JSONL, row groups for Parquet); each chunk is read,
+validated, rendered and tokenized by one worker process and written as one shard; the shards are then copied, in
+file and row order, into the store's flat arrays. The result does not depend on the number of processes: every row
+is tokenized alone, and the order is the files' order.
+"""
+
+from __future__ import annotations
+
+import mmap
+import multiprocessing
+import os
+import shutil
+import time
+from array import array
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sft_trainer import data_store
+from sft_trainer.data import (
+    _JSONL_SUFFIXES,
+    _MAX_REPORTED,
+    _PARQUET_SUFFIXES,
+    DataError,
+    OnError,
+    VisionTokens,
+    _default_end_of_turn,
+    _jsonl_rows,
+    _open_parquet,
+    _parquet_rows,
+    conversation_images,
+    tokenize_conversation,
+    validate_messages,
+)
+
+_MIN_CHUNK_BYTES = 1 << 18
+_MAX_CHUNK_BYTES = 1 << 25
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Rows of one file for one worker: bytes ``[start, end)`` of a JSONL file, or row groups ``[start, end)`` of a
+    Parquet file; ``first_row`` is the 1-based number of its first line or row."""
+
+    index: int
+    source: int
+    path: str
+    parquet: bool
+    start: int
+    end: int
+    first_row: int
+
+
+@dataclass
+class ChunkResult:
+    index: int
+    documents: int = 0
+    tokens: int = 0
+    images: int = 0
+    image_ref_bytes: int = 0
+    skipped: int = 0
+    skip_reasons: list[str] = field(default_factory=list)
+    error: str | None = None
+    """The first malformed row's message when ``on_error="raise"`` (the chunk stops there)."""
+
+
+def default_num_proc() -> int:
+    """The CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def plan_chunks(files: Sequence[Path], num_proc: int) -> list[Chunk]:
+    """Chunks of about ``total bytes / (4 * num_proc)`` (within 256 KiB to 32 MiB), cut at line starts."""
+    total = sum(f.stat().st_size for f in files)
+    target = min(_MAX_CHUNK_BYTES, max(_MIN_CHUNK_BYTES, total // max(1, 4 * num_proc)))
+    chunks: list[Chunk] = []
+    for source, path in enumerate(files):
+        if path.suffix in _PARQUET_SUFFIXES:
+            parquet = _open_parquet(path)
+            first = 1
+            for group in range(parquet.num_row_groups):
+                chunks.append(Chunk(len(chunks), source, str(path), True, group, group + 1, first))
+                first += parquet.metadata.row_group(group).num_rows
+            continue
+        if path.suffix not in _JSONL_SUFFIXES:
+            raise DataError(f"{path}: unsupported data file type {path.suffix!r}; use .jsonl or .parquet")
+        size = path.stat().st_size
+        if size == 0:
+            continue
+        with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+            start, line = 0, 1
+            while start < size:
+                newline = view.find(b"\n", min(size, start + target) - 1)
+                end = size if newline < 0 else newline + 1
+                chunks.append(Chunk(len(chunks), source, str(path), False, start, end, line))
+                line += view[start:end].count(b"\n")
+                start = end
+    return chunks
+
+
+# --------------------------------------------------------------------------------------------------------
+# One chunk (in a worker process, or in this one)
+
+_STATE: dict[str, Any] = {}
+
+
+def _init_worker(tokenizer: Any, image_processor: Any, options: Mapping[str, Any], out_dir: str) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+    except ImportError:
+        pass
+    _set_state(tokenizer, image_processor, options, out_dir)
+
+
+def _set_state(tokenizer: Any, image_processor: Any, options: Mapping[str, Any], out_dir: str) -> None:
+    options = dict(options)
+    if options["end_of_turn"] is None:  # resolved once here, not once per row (it reads the whole vocabulary)
+        options["end_of_turn"] = _default_end_of_turn(tokenizer)
+    _STATE.update(tokenizer=tokenizer, image_processor=image_processor, options=options, out_dir=out_dir)
+
+
+def image_reference(image: Any, base_dir: Path) -> tuple[int, bytes, tuple[int, int]]:
+    """``(kind, payload, (size, mtime_ns))`` of an image part's value: kind 0 a path or data URI kept as written
+    (read later with the same rules, relative to ``base_dir``), kind 1 raw bytes; the stat of a path's file lets
+    a row detect an image changed after the store was built."""
+    if isinstance(image, Mapping):
+        image = image.get("bytes") or image.get("path")
+    if isinstance(image, bytes):
+        return 1, image, (-1, -1)
+    stat = (-1, -1)
+    if not image.startswith("data:"):
+        path = Path(image.removeprefix("file://"))
+        path = path if path.is_absolute() else base_dir / path
+        with_stat = path.stat()
+        stat = (with_stat.st_size, with_stat.st_mtime_ns)
+    return 0, image.encode("utf-8"), stat
+
+
+def tokenize_chunk(chunk: Chunk) -> ChunkResult:
+    """Validate and tokenize the rows of ``chunk`` and save them as ``chunk-<index>.npz`` in the output folder."""
+    tokenizer, processor, options = _STATE["tokenizer"], _STATE["image_processor"], _STATE["options"]
+    path = Path(chunk.path)
+    rows = (
+        _parquet_rows(path, range(chunk.start, chunk.end), chunk.first_row)
+        if chunk.parquet
+        else _jsonl_rows(path, chunk.start, chunk.end, chunk.first_row)
+    )
+    result = ChunkResult(chunk.index)
+    tokens, mask = array("i"), array("B")
+    doc_lens, doc_rows, doc_loss, doc_images = array("q"), array("q"), array("q"), array("q")
+    spans, grids, stats, kinds, ref_lens = array("i"), array("q"), array("q"), array("B"), array("q")
+    refs = bytearray()
+    for number, row, problem in rows:
+        try:
+            if problem is not None:
+                raise ValueError(problem)
+            messages = validate_messages(row)
+            doc = tokenize_conversation(
+                tokenizer,
+                messages,
+                end_of_turn=options["end_of_turn"],
+                chat_template_kwargs=options["chat_template_kwargs"],
+                image_processor=processor,
+                base_dir=path.parent,
+                vision_tokens=options["vision_tokens"],
+            )
+            images = [image_reference(image, path.parent) for _, image in conversation_images(messages)]
+        except (ValueError, OSError) as exc:
+            message = f"{path}: row {number}: {exc}"
+            if options["on_error"] == "raise":
+                result.error = message
+                break
+            result.skipped += 1
+            if len(result.skip_reasons) < _MAX_REPORTED:
+                result.skip_reasons.append(message)
+            continue
+        tokens.extend(doc.input_ids)
+        mask.extend(doc.loss_mask)
+        doc_lens.append(len(doc.input_ids))
+        doc_rows.append(number)
+        doc_loss.append(sum(doc.loss_mask[1:]))
+        doc_images.append(len(images) if doc.image_grid_thw is not None else 0)
+        if doc.image_grid_thw is not None:
+            for (start, end), grid, (kind, payload, stat) in zip(
+                doc.image_spans, doc.image_grid_thw.tolist(), images, strict=True
+            ):
+                spans.extend((start, end))
+                grids.extend(grid)
+                stats.extend(stat)
+                kinds.append(kind)
+                ref_lens.append(len(payload))
+                refs += payload
+    result.documents, result.tokens, result.images = len(doc_lens), len(tokens), len(kinds)
+    result.image_ref_bytes = len(refs)
+    np.savez(
+        Path(_STATE["out_dir"]) / f"chunk-{chunk.index:06d}.npz",
+        tokens=np.frombuffer(tokens, np.int32),
+        loss_mask=np.frombuffer(mask, np.uint8),
+        doc_lens=np.frombuffer(doc_lens, np.int64),
+        doc_row=np.frombuffer(doc_rows, np.int64),
+        doc_loss=np.frombuffer(doc_loss, np.int64),
+        doc_images=np.frombuffer(doc_images, np.int64),
+        image_spans=np.frombuffer(spans, np.int32).reshape(-1, 2),
+        image_grid=np.frombuffer(grids, np.int64).reshape(-1, 3),
+        image_stat=np.frombuffer(stats, np.int64).reshape(-1, 2),
+        image_kind=np.frombuffer(kinds, np.uint8),
+        ref_lens=np.frombuffer(ref_lens, np.int64),
+        image_refs=np.frombuffer(bytes(refs), np.uint8),
+    )
+    return result
+
+
+# --------------------------------------------------------------------------------------------------------
+# The whole store
+
+
+def _run_chunks(chunks: list[Chunk], num_proc: int, init_args: tuple) -> list[ChunkResult]:
+    """Every chunk's result in order; stops at the first chunk (in file order) that reports an error."""
+    results: list[ChunkResult] = []
+    if num_proc <= 1 or len(chunks) <= 1:
+        saved = dict(_STATE)
+        try:
+            _set_state(*init_args)  # in-process: no thread cap
+            for chunk in chunks:
+                results.append(tokenize_chunk(chunk))
+                if results[-1].error:
+                    break
+        finally:
+            _STATE.clear()
+            _STATE.update(saved)
+        return results
+    context = multiprocessing.get_context("spawn")  # never fork a process that holds threads (gloo, torch)
+    with ProcessPoolExecutor(num_proc, mp_context=context, initializer=_init_worker, initargs=init_args) as pool:
+        for result in pool.map(tokenize_chunk, chunks):
+            results.append(result)
+            if result.error:
+                pool.shutdown(wait=True, cancel_futures=True)
+                break
+    return results
+
+
+def _merge(tmp: Path, shards: Path, chunks: list[Chunk], results: list[ChunkResult]) -> dict[str, int]:
+    """Copy the shards into the store's flat arrays, in chunk order, one shard in memory at a time."""
+    counts = {
+        "documents": sum(r.documents for r in results),
+        "tokens": sum(r.tokens for r in results),
+        "images": sum(r.images for r in results),
+        "image_ref_bytes": sum(r.image_ref_bytes for r in results),
+    }
+    d, t, i, b = counts["documents"], counts["tokens"], counts["images"], counts["image_ref_bytes"]
+    shapes = {
+        "tokens": ((t,), np.int32),
+        "loss_mask": ((t,), np.uint8),
+        "doc_offsets": ((d + 1,), np.int64),
+        "doc_source": ((d,), np.int32),
+        "doc_row": ((d,), np.int64),
+        "doc_loss": ((d,), np.int64),
+        "image_offsets": ((d + 1,), np.int64),
+        "image_spans": ((i, 2), np.int32),
+        "image_grid": ((i, 3), np.int64),
+        "image_stat": ((i, 2), np.int64),
+        "image_kind": ((i,), np.uint8),
+        "image_ref_offsets": ((i + 1,), np.int64),
+        "image_refs": ((b,), np.uint8),
+    }
+    out = {
+        name: np.lib.format.open_memmap(tmp / f"{name}.npy", mode="w+", dtype=dtype, shape=shape)
+        for name, (shape, dtype) in shapes.items()
+    }
+    for name in ("doc_offsets", "image_offsets", "image_ref_offsets"):
+        out[name][0] = 0
+    at = dict.fromkeys(("tokens", "docs", "images", "refs"), 0)
+    for result in results:
+        shard = np.load(shards / f"chunk-{result.index:06d}.npz")
+        nt, nd, ni = result.tokens, result.documents, result.images
+        nb = result.image_ref_bytes
+        t0, d0, i0, b0 = at["tokens"], at["docs"], at["images"], at["refs"]
+        out["tokens"][t0 : t0 + nt] = shard["tokens"]
+        out["loss_mask"][t0 : t0 + nt] = shard["loss_mask"]
+        out["doc_offsets"][d0 + 1 : d0 + nd + 1] = t0 + np.cumsum(shard["doc_lens"])
+        out["doc_source"][d0 : d0 + nd] = chunks[result.index].source
+        out["doc_row"][d0 : d0 + nd] = shard["doc_row"]
+        out["doc_loss"][d0 : d0 + nd] = shard["doc_loss"]
+        out["image_offsets"][d0 + 1 : d0 + nd + 1] = i0 + np.cumsum(shard["doc_images"])
+        for name in ("image_spans", "image_grid", "image_stat", "image_kind"):
+            out[name][i0 : i0 + ni] = shard[name]
+        out["image_ref_offsets"][i0 + 1 : i0 + ni + 1] = b0 + np.cumsum(shard["ref_lens"])
+        out["image_refs"][b0 : b0 + nb] = shard["image_refs"]
+        at.update(tokens=t0 + nt, docs=d0 + nd, images=i0 + ni, refs=b0 + nb)
+        (shards / f"chunk-{result.index:06d}.npz").unlink()
+    for array_ in out.values():
+        array_.flush()
+    return counts
+
+
+def write_token_store(
+    final: Path,
+    files: Sequence[Path],
+    tokenizer: Any,
+    *,
+    image_processor: Any,
+    options: Mapping[str, Any],
+    key_inputs: Mapping[str, Any],
+    num_proc: int,
+) -> data_store.TokenStore:
+    """Tokenize ``files`` into the store folder ``final`` (written beside it, renamed into place when done).
+    Raises :class:`DataError` for the first malformed row in file order when ``options["on_error"]`` is
+    ``"raise"``."""
+    started = time.perf_counter()
+    tmp = data_store.temporary_sibling(final)
+    try:
+        chunks = plan_chunks(files, num_proc)
+        shards = tmp / "shards"
+        shards.mkdir()
+        procs = max(1, min(num_proc, len(chunks)))
+        results = _run_chunks(chunks, procs, (tokenizer, image_processor, dict(options), str(shards)))
+        failed = next((r for r in results if r.error), None)
+        if failed is not None:
+            raise DataError(failed.error)
+        counts = _merge(tmp, shards, chunks, results)
+        shutil.rmtree(shards)
+        seconds = time.perf_counter() - started
+        reasons = [m for r in results for m in r.skip_reasons][:_MAX_REPORTED]
+        data_store.write_manifest(
+            tmp,
+            {
+                "format": data_store.STORE_FORMAT,
+                "sources": [str(f.resolve()) for f in files],
+                "counts": counts,
+                "skipped": sum(r.skipped for r in results),
+                "skip_reasons": reasons,
+                "key_inputs": dict(key_inputs),
+                "build": {"seconds": round(seconds, 3), "processes": procs, "chunks": len(chunks)},
+            },
+        )
+        data_store.publish(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return data_store.TokenStore.open(final)
+
+
+def token_options(
+    *,
+    end_of_turn: str | None,
+    chat_template_kwargs: Mapping[str, Any] | None,
+    vision_tokens: VisionTokens | None,
+    on_error: OnError,
+) -> dict[str, Any]:
+    """The rendering options a worker needs (they are part of the store key)."""
+    return {
+        "end_of_turn": end_of_turn,
+        "chat_template_kwargs": dict(chat_template_kwargs or {}),
+        "vision_tokens": vision_tokens or VisionTokens(),
+        "on_error": on_error,
+    }
+
+
+def options_for_key(options: Mapping[str, Any]) -> dict[str, Any]:
+    return {**options, "vision_tokens": asdict(options["vision_tokens"])}
