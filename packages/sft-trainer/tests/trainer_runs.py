@@ -67,3 +67,33 @@ def _assert_same_run(run1: tuple[Path, list[dict]], run2: tuple[Path, list[dict]
     worst = sorted(strict.items(), key=lambda x: -x[1])[:5]
     assert len(strict) > len(diffs) - 10 and max(strict.values()) <= 1e-4, worst
     assert max(diffs.values()) <= 5e-2, sorted(diffs.items(), key=lambda x: -x[1])[:5]
+
+
+def read_wandb_records(path: Path) -> list:
+    """The protobuf records of a .wandb file: a ':W&B' header, then a LevelDB-style log (32 KiB blocks; each
+    chunk: crc32c, little-endian length, type FULL=1 / FIRST=2 / MIDDLE=3 / LAST=4) of wandb_internal Records."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", data[:7]
+    block, pos, pending, records = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        if kind == 0:
+            break
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def wandb_items(items) -> dict:
+    """A wandb record's key/value items as a dict of decoded JSON values (nested keys joined with ".")."""
+    return {(i.key or ".".join(i.nested_key)): json.loads(i.value_json) for i in items}

@@ -258,8 +258,9 @@ class ModelConfig(_Section):
     path: str | None = Field(
         None,
         description="HF checkpoint folder (config.json + safetensors, usually with its tokenizer) to fine-tune: "
-        "Qwen3.5 (dense, MoE or VL) or Nemotron-H. Without --config, a run naming model.path starts from these "
-        "defaults, not from tiny_cpu.toml.",
+        "Qwen3.5 (dense, MoE or VL) or Nemotron-H; or a Hugging Face Hub id ('org/name', not a local path), fetched "
+        "into the hub cache (config, safetensors and tokenizer files only; HF_HUB_OFFLINE=1 reads the cache only). "
+        "Without --config, a run naming model.path starts from these defaults, not from tiny_cpu.toml.",
     )
     config: str | None = Field(
         None,
@@ -315,7 +316,8 @@ class DataConfig(_Section):
     )
     tokenizer: str | None = Field(
         None,
-        description="Tokenizer folder (tokenizer.json with a chat template); unset: model.path's own tokenizer for a "
+        description="Tokenizer folder (tokenizer.json with a chat template) or a Hugging Face Hub id ('org/name'); "
+        "unset: model.path's own tokenizer for a "
         "checkpoint, else the shipped tiny tokenizer (the tiny VL processor's for a VL model). Its ids and special "
         "tokens must fit the model's vocabulary.",
     )
@@ -510,12 +512,20 @@ class WandbConfig(_Section):
 class LoggingConfig(_Section):
     """``[logging]``: metrics and progress output (rank 0)."""
 
-    log_every: int = Field(1, ge=1, description="Log metrics every this many steps.")
+    log_every: int = Field(
+        1,
+        ge=1,
+        description="Print a plain progress line every this many steps (metrics.jsonl and wandb get every step).",
+    )
     metrics_file: str | None = Field(
         None, description="JSONL file of per-step metrics; unset: `output_dir`/metrics.jsonl (see `metrics_path`)."
     )
     wandb: WandbConfig = Field(default_factory=WandbConfig, description="wandb logging ([logging.wandb]).")
-    progress_bar: bool = Field(True, description="Show a progress bar on rank 0.")
+    progress_bar: bool = Field(
+        True,
+        description="Rank 0 draws a progress bar (step/total, elapsed, ETA, loss, lr, tokens/s, memory) when stdout "
+        "is a terminal; false, or stdout not a terminal (logs, CI): one plain line every log_every steps.",
+    )
 
 
 class TrainConfig(_Section):
@@ -1064,12 +1074,20 @@ def _check_tokenizer(cfg: TrainConfig) -> list[str]:
     return tokenizer_problems(tokenizer, resolve_model_config(model), field, _model_source(model))
 
 
-def config_from_dict(data: Mapping[str, Any], source: str | None = None) -> TrainConfig:
-    """Validate a nested dict (as read from TOML) into a :class:`TrainConfig`, or raise :class:`ConfigError`."""
+def config_from_dict(data: Mapping[str, Any], source: str | None = None, fetch_weights: bool = True) -> TrainConfig:
+    """Validate a nested dict (as read from TOML) into a :class:`TrainConfig`, or raise :class:`ConfigError`.
+
+    Hub ids in ``model.path`` and ``data.tokenizer`` are fetched (``sft_trainer.hub``) and replaced by their local
+    snapshot folders first; ``fetch_weights=False`` fetches a model's config and tokenizer only."""
+    from sft_trainer.hub import resolve_hub_ids
+
     try:
         cfg = TrainConfig.model_validate(dict(data))
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(exc), source) from None
+    problems = resolve_hub_ids(cfg, fetch_weights=fetch_weights)
+    if problems:
+        raise ConfigError(problems, source)
     problems = check_config(cfg)
     if problems:
         raise ConfigError(problems, source)
@@ -1091,18 +1109,21 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from None
 
 
-def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
+def load_config(
+    path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = (), fetch_weights: bool = True
+) -> TrainConfig:
     """Read a TOML config, apply command-line overrides and validate the result.
 
     ``path``: a TOML file, the name of a shipped config (``"tiny_cpu"``), or None: the schema defaults when the
     overrides name a checkpoint (``--model.path``), else the shipped ``configs/tiny_cpu.toml``. ``overrides``: ``["--parallel.cp", "2", "--train.steps=10", ...]``; values are
     parsed as TOML scalars (ints, floats, booleans, quoted or bare strings, arrays), ``null`` unsets an optional
-    key. Raises :class:`ConfigError` listing every problem (unknown keys name the valid ones).
+    key. ``fetch_weights``: see :func:`config_from_dict`. Raises :class:`ConfigError` listing every problem
+    (unknown keys name the valid ones).
     """
     data, source, problems = starting_data(path, overrides)
     if problems:
         raise ConfigError(problems, source)
-    return config_from_dict(data, source)
+    return config_from_dict(data, source, fetch_weights=fetch_weights)
 
 
 def names_a_checkpoint(overrides: Sequence[str]) -> bool:

@@ -1492,7 +1492,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     options, rest = _split_plan_options(argv)
     try:
         path, overrides = split_config_argument(rest)
-        cfg = load_config(path, overrides)
+        cfg = load_config(path, overrides, fetch_weights=False)  # a hub model: config and tokenizer suffice
         plan = build_plan(
             cfg, gpu_memory_gib=options.get("gpu_memory_gib"), nvlink_gbps=options.get("nvlink_gbps", NVLINK_GBPS)
         )

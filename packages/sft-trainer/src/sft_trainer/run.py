@@ -17,6 +17,8 @@ import torch.multiprocessing as mp
 from torch.utils.data import Subset
 
 from cp_core import CPTopology
+from sft_trainer.progress import Progress
+from sft_trainer.report import write_report_at_end
 from sft_trainer.train import (
     MetricsWriter,
     StepStats,
@@ -257,6 +259,8 @@ def worker(cfg) -> dict[str, Any]:
             )
         losses = []
         per_step = cfg.train.grad_accum
+        if rank == 0:
+            progress = Progress(steps, start_step, cfg.logging.log_every, cfg.logging.progress_bar)
         for step in range(start_step, steps):
             batch = [my_rows[(step * per_step + i) % len(my_rows)] for i in range(per_step)]
             started = time.perf_counter()
@@ -288,13 +292,7 @@ def worker(cfg) -> dict[str, Any]:
             )
             if rank == 0:
                 metrics.write(stats)
-                if cfg.logging.progress_bar and ((step + 1) % cfg.logging.log_every == 0 or step + 1 == steps):
-                    print(
-                        f"step {step + 1:5d}/{steps} | loss {loss:.4f} | tok/s {row_tokens / seconds:9.0f} | "
-                        f"step {seconds * 1000:7.1f} ms | mem {stats.extra['memory_gib']:.2f} GiB"
-                        + (" | SKIPPED (non-finite)" if skipped else ""),
-                        flush=True,
-                    )
+                progress.update(stats)
             if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 and step + 1 < steps:
                 save_checkpoint(ckpt_dir, step + 1, model, optimizer, scheduler)
         save_checkpoint(ckpt_dir, steps, model, optimizer, scheduler)
@@ -308,8 +306,12 @@ def worker(cfg) -> dict[str, Any]:
                     image_processor.save_pretrained(export_dir)
             dist.barrier()
         if rank == 0:
+            progress.close()
             print(f"[sft-train] checkpoints: {ckpt_dir}", flush=True)
             print(f"[sft-train] metrics: {metrics.path}", flush=True)
+            run_summary = write_report_at_end(metrics.path, out_dir)
+            if wandb_run is not None:  # beside the last step's values: the run's min loss, median tokens/s, ...
+                wandb_run.summary.update({f"run/{key}": value for key, value in run_summary.items()})
             if export_dir:
                 print(f"[sft-train] HF export: {export_dir}", flush=True)
         if wandb_run is not None:
@@ -475,7 +477,8 @@ def start_wandb(cfg):
 
 RUN_USAGE = (
     "Trains: spawns dp x cp local workers (CPU), or runs as one torchrun worker. `sft-train plan ...` takes the same\n"
-    "config and prints the CP traffic, memory per rank and the longest row that fits instead (`sft-train plan --help`)."
+    "config and prints the CP traffic, memory per rank and the longest row that fits instead (`sft-train plan --help`).\n"
+    "`sft-train report RUN_DIR` plots a run's metrics.jsonl to RUN_DIR/report.png and prints a summary."
 )
 
 
@@ -484,6 +487,8 @@ def main(argv: list[str] | None = None) -> None:
 
     ``sft-train plan [--config FILE.toml] [--section.key VALUE ...] [--json]`` prints the run's CP traffic, memory
     per rank and the longest row that fits instead (``sft_trainer.plan``), starting nothing.
+    ``sft-train report RUN_DIR`` plots a finished (or running) run's metrics and prints its summary
+    (``sft_trainer.report``).
     ``--config`` may stand anywhere among the overrides; the overrides apply on top of it, in order."""
     from sft_trainer.config import ConfigError, load_config, wants_help
     from sft_trainer.plan import split_config_argument
@@ -493,6 +498,11 @@ def main(argv: list[str] | None = None) -> None:
         from sft_trainer.plan import main as plan_main
 
         plan_main(argv[1:])
+        return
+    if argv and argv[0] == "report":
+        from sft_trainer.report import main as report_main
+
+        report_main(argv[1:])
         return
     if wants_help(argv):
         from sft_trainer.config import config_help

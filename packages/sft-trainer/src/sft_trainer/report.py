@@ -1,0 +1,158 @@
+"""``sft-train report RUN_DIR``: a run's metrics.jsonl as a PNG (loss, lr, grad norm, tokens/s, memory vs step)
+and a short text summary. The PNG needs matplotlib (``pip install 'sft-trainer[report]'``); the summary does not."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+REQUIRED_KEYS = ("step", "loss")
+# metrics.jsonl key -> the panel's title
+PANELS = {
+    "loss": "loss",
+    "lr": "learning rate",
+    "grad_norm": "grad norm",
+    "tokens_per_s": "tokens/s",
+    "memory_gib": "peak memory (GiB)",
+}
+
+
+class ReportError(Exception):
+    """A run folder or metrics file that cannot be reported on (the message is one line)."""
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl, one per step; ReportError naming the file and line of a malformed one."""
+    if not path.is_file():
+        raise ReportError(f"{path}: no such file (sft-train writes it into the run's output_dir)")
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as exc:
+            raise ReportError(f"{path}:{number}: not a JSON object: {exc}") from None
+        if not isinstance(record, dict) or any(not isinstance(record.get(k), (int, float)) for k in REQUIRED_KEYS):
+            raise ReportError(f"{path}:{number}: not a metrics record (needs numeric {' and '.join(REQUIRED_KEYS)})")
+        records.append(record)
+    if not records:
+        raise ReportError(f"{path}: holds no steps")
+    return records
+
+
+def _values(records: list[dict[str, Any]], key: str) -> list[float]:
+    return [float(r[key]) for r in records if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Steps, first / last / min loss of the steps that were applied, median tokens/s, peak memory, skipped steps
+    and the time spent in steps (the sum of step_time_s; startup and checkpoints not included)."""
+    applied = [r for r in records if not r.get("skipped")]
+    losses = _values(applied, "loss")
+    tokens_per_s = _values(records, "tokens_per_s")
+    memory = _values(records, "memory_gib")
+    return {
+        "steps": len(records),
+        "last_step": int(records[-1]["step"]),
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+        "min_loss": min(losses) if losses else None,
+        "median_tokens_per_s": statistics.median(tokens_per_s) if tokens_per_s else None,
+        "peak_memory_gib": max(memory) if memory else None,
+        "skipped": len(records) - len(applied),
+        "step_time_s": sum(_values(records, "step_time_s")),
+    }
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    def num(value: float | None, fmt: str) -> str:
+        return "n/a" if value is None else format(value, fmt)
+
+    return "\n".join(
+        [
+            f"steps: {summary['steps']} (last step {summary['last_step']}), skipped (non-finite): {summary['skipped']}",
+            f"loss: first {num(summary['first_loss'], '.4f')}, last {num(summary['last_loss'], '.4f')}, "
+            f"min {num(summary['min_loss'], '.4f')}",
+            f"tokens/s (median): {num(summary['median_tokens_per_s'], '.0f')}",
+            f"peak memory: {num(summary['peak_memory_gib'], '.2f')} GiB",
+            f"time in steps: {summary['step_time_s']:.1f} s",
+        ]
+    )
+
+
+def plot(records: list[dict[str, Any]], png: Path) -> None:
+    """One panel per metric against the step; skipped steps are marked on the loss panel."""
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend, safe in a worker without a display
+
+    keys = [k for k in PANELS if _values(records, k)]
+    fig = Figure(figsize=(8, 2.2 * len(keys)), layout="constrained")
+    axes = fig.subplots(len(keys), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, key in zip(axes, keys, strict=True):
+        points = [
+            (r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])
+        ]
+        ax.plot([s for s, _ in points], [v for _, v in points], linewidth=1.2)
+        ax.set_title(PANELS[key], fontsize=10, loc="left")
+        ax.grid(alpha=0.3)
+        if key == "loss":
+            for record in records:
+                if record.get("skipped"):
+                    ax.axvline(record["step"], color="red", alpha=0.4, linewidth=0.8)
+    axes[-1].set_xlabel("step")
+    fig.savefig(png, dpi=100)
+
+
+def report(run_dir: Path, metrics: Path | None = None) -> tuple[str, Path | None]:
+    """(the summary text, report.png's path or None without matplotlib) for ``run_dir``'s metrics."""
+    if not run_dir.is_dir():
+        raise ReportError(f"{run_dir}: no such run folder")
+    records = read_metrics(metrics or run_dir / "metrics.jsonl")
+    summary = format_summary(summarize(records))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return summary, None
+    png = run_dir / "report.png"
+    plot(records, png)
+    return summary, png
+
+
+def write_report_at_end(metrics: Path, run_dir: Path) -> dict[str, Any]:
+    """The end of a training run: prints the summary, writes report.png when matplotlib is installed, and returns
+    the summary's numbers (empty when there are none). Never stops the run."""
+    try:
+        summary, png = report(Path(run_dir), Path(metrics))
+        numbers = summarize(read_metrics(Path(metrics)))
+    except Exception as exc:  # the run's outputs are written; a report that fails is only noted
+        print(f"[sft-train] no report: {type(exc).__name__}: {exc}", flush=True)
+        return {}
+    print(summary, flush=True)
+    if png is not None:
+        print(f"[sft-train] report: {png}", flush=True)
+    return {key: value for key, value in numbers.items() if value is not None}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="sft-train report",
+        description="Plot a run's metrics.jsonl (loss, lr, grad norm, tokens/s, memory vs step) to "
+        "RUN_DIR/report.png and print a summary. The PNG needs matplotlib: pip install 'sft-trainer[report]'.",
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="the run's output_dir (holds metrics.jsonl)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        summary, png = report(args.run_dir)
+    except ReportError as exc:
+        raise SystemExit(f"sft-train report: {exc}") from None
+    print(summary)
+    if png is None:
+        raise SystemExit(
+            "sft-train report: no report.png: matplotlib is not installed (pip install 'sft-trainer[report]')"
+        )
+    print(f"report: {png}")
