@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
+from sft_trainer.config import ConfigError, load_config
 from sft_trainer.data import DataError, tiny_chat_path, tiny_tokenizer_dir
 from sft_trainer.data_rows import open_token_store
 from sft_trainer.data_sources import row_messages, sharegpt_to_messages
@@ -158,3 +159,11 @@ def test_offline_hub_id_is_one_line(tmp_path):
         "sft-train inspect-data: data.path='no-org/no-such-set': hub dataset 'no-org/no-such-set' split 'train': not "
         "a local path, and HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set"
     )
+
+
+def test_config_takes_hub_ids_and_globs_but_names_a_missing_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert load_config(None, ["--data.path", "org/chat-set", "--data.split", "test"]).data.split == "test"
+    assert load_config(None, ["--data.path", "shards/*.parquet"]).data_path == "shards/*.parquet"
+    with pytest.raises(ConfigError, match=r"data.path='data/chat.jsonl': no such file or folder"):
+        load_config(None, ["--data.path", "data/chat.jsonl"])

@@ -89,8 +89,11 @@ def reads_directly(path: str) -> bool:
 
 def needs_datasets(path: str) -> bool:
     """Whether ``path`` is loaded through ``datasets``: a ``save_to_disk`` folder, a ``.json`` file, a glob of
-    data files, or a hub dataset id."""
-    return not reads_directly(path) and (Path(path).exists() or "*" in path or is_hub_id(path))
+    data files, or a hub dataset id (``org/name``; a missing ``dir/file.jsonl`` is a missing file, not an id)."""
+    if reads_directly(path):
+        return False
+    hub_id = is_hub_id(path) and Path(path).suffix not in _LOAD_DATASET_SUFFIXES
+    return Path(path).exists() or "*" in path or hub_id
 
 
 def resolve_data_files(
