@@ -53,7 +53,8 @@ to have rank 0 of that group build it and broadcast it to the others instead.
 This module's :class:`PackedDataset` holds its rows in memory. Training (:func:`build_training_rows`) reads them
 from the on-disk token cache instead: :mod:`sft_trainer.data_store` (the store), :mod:`sft_trainer.data_tokenize`
 (parallel tokenization), :mod:`sft_trainer.data_packing` (best-fit-decreasing pack plans) and
-:mod:`sft_trainer.data_rows` (rows assembled per index, images processed lazily).
+:mod:`sft_trainer.data_rows` (rows assembled per index, images processed lazily); it also takes data in other
+forms (another column, ShareGPT turns, HF ``datasets`` folders and hub ids): :mod:`sft_trainer.data_sources`.
 """
 
 from __future__ import annotations
