@@ -76,6 +76,7 @@ def test_save_to_disk_sharegpt_folder_gives_the_jsonl_tokens(tmp_path, records, 
     store = _store(folder, tokenizer, tmp_path / "cache")
     np.testing.assert_array_equal(store.arrays["tokens"], reference)
     assert store.num_documents == len(records)
+    assert store.manifest["key_inputs"]["options"]["source_labels"] == {store.manifest["sources"][0]: str(folder)}
     # The dataset's identity is part of the key: the same folder with other records is another store.
     shutil.rmtree(folder)
     datasets.Dataset.from_list([_sharegpt(r) for r in records[:5]]).save_to_disk(str(folder))

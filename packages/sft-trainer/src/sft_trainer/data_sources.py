@@ -195,7 +195,7 @@ def materialize(dataset: Any, label: str, cache: Path, messages_column: str | No
         "column": column,
     }
     digest = hashlib.blake2b(json.dumps(identity, sort_keys=True).encode(), digest_size=12).hexdigest()
-    folder = cache / "datasets"
+    folder = (cache / "datasets").resolve()  # absolute, as the store's manifest names its sources
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / f"{digest}.parquet"
     if final.is_file():

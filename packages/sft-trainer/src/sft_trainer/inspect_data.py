@@ -67,12 +67,12 @@ def render_row(dataset: Any, index: int, tokenizer: Any, *, color: bool) -> str:
         f"{row.num_loss_tokens} loss tokens ==="
     ]
     lengths = store.doc_lengths()
+    names = store.manifest.get("key_inputs", {}).get("options", {}).get("source_labels", {})  # datasets sources
     at = 0
     for k, doc in enumerate(docs):
         take, full = int(plan.doc_take[doc]), int(lengths[doc])
         source = store.manifest["sources"][int(store.arrays["doc_source"][doc])]
-        labels_of = store.manifest.get("key_inputs", {}).get("options", {}).get("source_labels", {})
-        where = f"{labels_of.get(source, source)}: row {int(store.arrays['doc_row'][doc])}"
+        where = f"{names.get(source, source)}: row {int(store.arrays['doc_row'][doc])}"
         cut = f", truncated from {full}" if take < full else ""
         lines.append(f"--- document {k + 1}/{len(docs)} ({where}; {take} tokens{cut}) ---")
         doc_ids = ids[at : at + take]
