@@ -12,11 +12,19 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from sft_trainer.config import ConfigError, load_config
-from sft_trainer.data import DataError, tiny_chat_path, tiny_tokenizer_dir
-from sft_trainer.data_rows import open_token_store
+from sft_trainer.data import (
+    DataError,
+    load_processor,
+    tiny_chat_path,
+    tiny_tokenizer_dir,
+    tiny_vl_chat_path,
+    tiny_vl_processor_dir,
+)
+from sft_trainer.data_rows import open_packed_store, open_token_store
 from sft_trainer.data_sources import row_messages, sharegpt_to_messages
 
 datasets = pytest.importorskip("datasets")
@@ -168,3 +176,23 @@ def test_config_takes_hub_ids_and_globs_but_names_a_missing_file(tmp_path, monke
     assert load_config(None, ["--data.path", "shards/*.parquet"]).data_path == "shards/*.parquet"
     with pytest.raises(ConfigError, match=r"data.path='data/chat.jsonl': no such file or folder"):
         load_config(None, ["--data.path", "data/chat.jsonl"])
+
+
+def test_relative_image_paths_of_a_json_file_start_at_its_folder(tmp_path):
+    """A .json file beside its images (read by load_dataset; contents mix strings and lists of parts, which
+    datasets keeps as Json features) gives the rows of the same records as JSONL there, pixels included."""
+    tokenizer, processor = load_processor(tiny_vl_processor_dir())
+    folder = tmp_path / "vl"
+    shutil.copytree(tiny_vl_chat_path().parent, folder)
+    records = [json.loads(line) for line in tiny_vl_chat_path().read_text().splitlines()[:6]]
+    assert {type(m["content"]) for r in records for m in r["messages"]} == {str, list}
+    (folder / "six.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (folder / "six.json").write_text(json.dumps(records))
+    rows = [
+        open_packed_store(str(folder / name), tokenizer, 256, image_processor=processor, cache_dir=tmp_path / "c")
+        for name in ("six.jsonl", "six.json")
+    ]
+    assert len(rows[0]) == len(rows[1]) > 0
+    for a, b in zip(rows[0], rows[1], strict=True):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
+        assert torch.equal(a.pixel_values, b.pixel_values) and torch.equal(a.image_grid_thw, b.image_grid_thw)

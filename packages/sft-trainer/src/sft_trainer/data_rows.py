@@ -75,6 +75,8 @@ class StoreDataset(Dataset):
         self.seq_len, self.seed = plan.seq_len, plan.seed
         self.pad_token_id = pad_token_id
         self.image_processor = image_processor
+        # Files written from a datasets source resolve relative image paths against the source's folder.
+        self._source_dirs = store.manifest.get("key_inputs", {}).get("options", {}).get("source_dirs", {})
 
     @property
     def stats(self) -> PackStats:
@@ -130,7 +132,8 @@ class StoreDataset(Dataset):
         pictures = []
         for doc, i in images:
             ref = self.store.image_ref(i)
-            base = Path(self.store.manifest["sources"][int(arrays["doc_source"][doc])]).parent
+            source = self.store.manifest["sources"][int(arrays["doc_source"][doc])]
+            base = Path(self._source_dirs.get(source) or Path(source).parent)
             size, mtime = arrays["image_stat"][i].tolist()
             if isinstance(ref, str) and size >= 0:
                 path = Path(ref.removeprefix("file://"))
@@ -197,7 +200,7 @@ def _store_location(
             f"token cache folder {cache} cannot be created ({exc.strerror}); set data.cache_dir (or "
             "SFT_TRAINER_CACHE) to a writable folder"
         ) from None
-    files, labels = resolve_data_files(paths, cache, messages_column=messages_column, split=split, subset=subset)
+    files, labels, dirs = resolve_data_files(paths, cache, messages_column=messages_column, split=split, subset=subset)
     memo_path = cache / "file-digests.json"
     memo = data_store.load_memo(memo_path)
     options = token_options(
@@ -207,6 +210,7 @@ def _store_location(
         on_error=on_error,
         messages_column=messages_column,
         source_labels=labels,
+        source_dirs=dirs,
     )
     key, inputs = data_store.token_key(
         files, tokenizer, image_processor=image_processor, options=options_for_key(options), memo=memo

@@ -3,9 +3,9 @@ read with ``load_dataset``, hub dataset ids; ``messages`` under another column n
 
 JSONL and Parquet files (or folders of them) are read by :mod:`sft_trainer.data`'s readers, whose errors name the
 file and the 1-based row. Everything else goes through the optional ``datasets`` library
-(``pip install 'sft-trainer[datasets]'``) and is written once, the conversation column only, as a Parquet file in
-the token cache (``<cache>/datasets/``, named by the dataset's fingerprint and the column); that file then takes
-the same path as a local Parquet file (same token store, same per-row errors, rows numbered from 1 in the
+(``pip install 'sft-trainer[datasets]'``) and is written once, the conversation column only, as a JSONL file in
+the token cache (``<cache>/datasets/``, named by the dataset's fingerprint and the column); that file then
+takes the same path as a local JSONL file (same token store, same per-row errors, rows numbered from 1 in the
 dataset's order, shown under the dataset's name). ``datasets`` >= 4 runs no dataset scripts, and nothing here
 passes ``trust_remote_code``: a dataset is data, never code.
 
@@ -16,10 +16,11 @@ has no ``messages``). A list of ``{"from", "value"}`` turns (ShareGPT: ``from`` 
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import io
 import json
 import os
-import shutil
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
@@ -103,15 +104,19 @@ def resolve_data_files(
     messages_column: str | None = None,
     split: str | None = None,
     subset: str | None = None,
-) -> tuple[list[Path], dict[str, str]]:
-    """``(files, labels)``: the JSONL/Parquet files to tokenize, and the display name of each file written from a
-    ``datasets`` source (its path -> the dataset's name, for error messages)."""
+) -> tuple[list[Path], dict[str, str], dict[str, str]]:
+    """``(files, labels, dirs)``: the JSONL/Parquet files to tokenize, and for each file written from a
+    ``datasets`` source the dataset's name (for error messages) and the folder its relative image paths start
+    from (a ``save_to_disk`` folder itself, a data file's folder; none for a hub id)."""
     single = isinstance(paths, str | os.PathLike)
     if not single or not needs_datasets(str(paths)):
-        return _expand_paths(paths), {}
+        return _expand_paths(paths), {}, {}
     dataset, label = load_hf_dataset(str(paths), split=split, subset=subset)
     path = materialize(dataset, label, cache, messages_column)
-    return [path], {str(path): label}
+    local = Path(str(paths))
+    base = local if local.is_dir() else local.parent if (local.exists() or "*" in str(paths)) else None
+    dirs = {str(path): str(base.resolve())} if base is not None and "*" not in base.name else {}
+    return [path], {str(path): label}, dirs
 
 
 def _import_datasets():
@@ -176,9 +181,29 @@ def _hub_problem(path: str, subset: str | None, split: str, exc: Exception, data
     )
 
 
+def _json_ready(value: Any) -> Any:
+    """A decoded record as JSON: image bytes (raw, or an Image feature's ``{"bytes", "path"}``, or a decoded
+    ``PIL.Image``) become ``data:image;base64,`` URIs, which the image reader takes like the bytes."""
+    if isinstance(value, bytes):
+        return "data:image;base64," + base64.b64encode(value).decode("ascii")
+    if isinstance(value, Mapping):
+        if set(value) == {"bytes", "path"}:
+            return _json_ready(value["bytes"]) if value["bytes"] else value["path"]
+        return {str(k): _json_ready(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_ready(v) for v in value]
+    if hasattr(value, "save") and hasattr(value, "mode"):  # a PIL image (an Image feature, decoded)
+        buffer = io.BytesIO()
+        value.save(buffer, format="PNG")
+        return _json_ready(buffer.getvalue())
+    return value
+
+
 def materialize(dataset: Any, label: str, cache: Path, messages_column: str | None) -> Path:
-    """The conversation column of ``dataset`` as a Parquet file under ``cache/datasets`` (written once per dataset
-    fingerprint, arrow files and column; renamed into place when complete). Raises naming a missing column."""
+    """The conversation column of ``dataset`` as a JSONL file under ``cache/datasets`` (one record per line, so a
+    line number is the row number; written once per dataset fingerprint, arrow files and column, renamed into place
+    when complete). Records are written as ``datasets`` decodes them (Json features included), so the rows are the
+    ones the dataset holds. Raises naming a missing column."""
     names = list(dataset.column_names)
     column = conversation_column(names, messages_column)
     if column not in names:
@@ -197,19 +222,15 @@ def materialize(dataset: Any, label: str, cache: Path, messages_column: str | No
     digest = hashlib.blake2b(json.dumps(identity, sort_keys=True).encode(), digest_size=12).hexdigest()
     folder = (cache / "datasets").resolve()  # absolute, as the store's manifest names its sources
     folder.mkdir(parents=True, exist_ok=True)
-    final = folder / f"{digest}.parquet"
+    final = folder / f"{digest}.jsonl"
     if final.is_file():
         return final
     tmp = folder / f".{digest}.{os.getpid()}.tmp"
-    datasets = _import_datasets()
-    bars = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()  # one write of a known size: the log says what is built
     try:
-        dataset.select_columns([column]).to_parquet(str(tmp))
+        with tmp.open("w", encoding="utf-8") as out:
+            for record in dataset.select_columns([column]):
+                out.write(json.dumps(_json_ready(record), ensure_ascii=False) + "\n")
         os.replace(tmp, final)
     finally:
-        if bars:
-            datasets.enable_progress_bars()
-        if tmp.exists():
-            tmp.unlink() if tmp.is_file() else shutil.rmtree(tmp, ignore_errors=True)
+        tmp.unlink(missing_ok=True)
     return final

@@ -162,6 +162,7 @@ def tokenize_chunk(chunk: Chunk) -> ChunkResult:
     tokenizer, processor, options = _STATE["tokenizer"], _STATE["image_processor"], _STATE["options"]
     path = Path(chunk.path)
     where = options["source_labels"].get(chunk.path, chunk.path)  # a datasets source: its name, not the cache file
+    base = Path(options["source_dirs"].get(chunk.path, path.parent))  # relative image paths start here
     rows = (
         _parquet_rows(
             path, range(chunk.start, chunk.end), chunk.first_row, parquet_column(path, options["messages_column"])
@@ -185,10 +186,10 @@ def tokenize_chunk(chunk: Chunk) -> ChunkResult:
                 end_of_turn=options["end_of_turn"],
                 chat_template_kwargs=options["chat_template_kwargs"],
                 image_processor=processor,
-                base_dir=path.parent,
+                base_dir=base,
                 vision_tokens=options["vision_tokens"],
             )
-            images = [image_reference(image, path.parent) for _, image in conversation_images(messages)]
+            images = [image_reference(image, base) for _, image in conversation_images(messages)]
         except (ValueError, OSError) as exc:
             message = f"{where}: row {number}: {exc}"
             if options["on_error"] == "raise":
@@ -372,9 +373,11 @@ def token_options(
     on_error: OnError,
     messages_column: str | None = None,
     source_labels: Mapping[str, str] | None = None,
+    source_dirs: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The rendering options a worker needs (they are part of the store key): ``source_labels`` maps a file
-    written from a ``datasets`` source to the name its errors show."""
+    """The rendering options a worker needs (they are part of the store key): ``source_labels`` and
+    ``source_dirs`` map a file written from a ``datasets`` source to the name its errors show and the folder its
+    relative image paths start from (other files: their own name and folder)."""
     return {
         "end_of_turn": end_of_turn,
         "chat_template_kwargs": dict(chat_template_kwargs or {}),
@@ -382,6 +385,7 @@ def token_options(
         "on_error": on_error,
         "messages_column": messages_column,
         "source_labels": dict(source_labels or {}),
+        "source_dirs": dict(source_dirs or {}),
     }
 
 
