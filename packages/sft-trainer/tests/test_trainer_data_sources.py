@@ -196,3 +196,11 @@ def test_relative_image_paths_of_a_json_file_start_at_its_folder(tmp_path):
     for a, b in zip(rows[0], rows[1], strict=True):
         assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
         assert torch.equal(a.pixel_values, b.pixel_values) and torch.equal(a.image_grid_thw, b.image_grid_thw)
+
+
+def test_without_datasets_installed_it_says_what_to_install(tmp_path, monkeypatch, tokenizer):
+    folder = tmp_path / "saved"
+    datasets.Dataset.from_list([{"messages": [{"role": "assistant", "content": "hi"}]}]).save_to_disk(str(folder))
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets raises ImportError
+    with pytest.raises(DataError, match=r"^reading this data needs the Hugging Face datasets library: pip install "):
+        _store(folder, tokenizer, tmp_path / "cache")
