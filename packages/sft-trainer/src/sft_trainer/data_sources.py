@@ -21,6 +21,7 @@ import hashlib
 import io
 import json
 import os
+import threading
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
@@ -111,12 +112,30 @@ def resolve_data_files(
     single = isinstance(paths, str | os.PathLike)
     if not single or not needs_datasets(str(paths)):
         return _expand_paths(paths), {}, {}
-    dataset, label = load_hf_dataset(str(paths), split=split, subset=subset)
-    path = materialize(dataset, label, cache, messages_column)
+    datasets = _import_datasets()
+    _thread_lock_for_tqdm()
+    bars = datasets.is_progress_bar_enabled()  # off while loading: the data cache lines say what is built
+    datasets.disable_progress_bars()
+    try:
+        dataset, label = load_hf_dataset(str(paths), split=split, subset=subset)
+        path = materialize(dataset, label, cache, messages_column)
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
     local = Path(str(paths))
     base = local if local.is_dir() else local.parent if (local.exists() or "*" in str(paths)) else None
     dirs = {str(path): str(base.resolve())} if base is not None and "*" not in base.name else {}
     return [path], {str(path): label}, dirs
+
+
+def _thread_lock_for_tqdm() -> None:
+    """Give tqdm a thread lock unless it has one: its default lock holds a multiprocessing semaphore (created even
+    for hidden bars, e.g. by load_from_disk), which a training worker leaving with os._exit leaks, and the
+    launcher then warns about a leaked semaphore."""
+    from tqdm import tqdm
+
+    if not hasattr(tqdm, "_lock"):
+        tqdm.set_lock(threading.RLock())
 
 
 def _import_datasets():
