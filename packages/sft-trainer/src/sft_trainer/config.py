@@ -312,10 +312,20 @@ class DataConfig(_Section):
 
     path: str | None = Field(
         None,
-        description="Chat dataset, JSONL or Parquet, one {'messages': [...]} per row (message contents may mix "
-        "text and image parts for VL models); unset: the shipped tiny set (text, or the tiny image set for a VL "
-        "model).",
+        description="Chat dataset: a JSONL or Parquet file or folder of them, one {'messages': [...]} per row "
+        "(message contents may mix text and image parts for VL models); with the datasets extra also a "
+        "save_to_disk folder, a .json file or a glob of data files (read by load_dataset), or a Hugging Face Hub "
+        "dataset id ('org/name'); unset: the shipped tiny set (text, or the tiny image set for a VL model).",
     )
+    messages_column: str | None = Field(
+        None,
+        description="Column (key) holding each record's conversation; unset: 'messages', or 'conversations' when "
+        "there is no 'messages'. ShareGPT turns ({'from': human|gpt|system, 'value': ...}) are converted to messages.",
+    )
+    split: str | None = Field(
+        None, description="Split of a hub dataset or a save_to_disk DatasetDict folder; unset: 'train'."
+    )
+    subset: str | None = Field(None, description="Configuration (subset) of a hub dataset; unset: its default.")
     tokenizer: str | None = Field(
         None,
         description="Tokenizer folder (tokenizer.json with a chat template) or a Hugging Face Hub id ('org/name'); "
@@ -1059,10 +1069,14 @@ def check_config(cfg: TrainConfig) -> list[str]:
         if not train.lora.targets:
             problems.append("train.lora.targets=[]: must name at least one linear layer when train.lora.enabled=true")
 
+    from sft_trainer.data_sources import needs_datasets
+
     for field_name, value, kind in (
         ("data.path", cfg.data_path, "file or folder"),
         ("data.tokenizer", cfg.tokenizer_path, "folder"),
     ):
+        if field_name == "data.path" and needs_datasets(value):
+            continue  # a hub id or a glob: the data loader reports it in one line when it cannot be read
         if not Path(value).exists():
             problems.append(f"{field_name}={value!r}: no such {kind}")
     if data.processor is not None:

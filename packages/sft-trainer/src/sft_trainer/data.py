@@ -53,7 +53,8 @@ to have rank 0 of that group build it and broadcast it to the others instead.
 This module's :class:`PackedDataset` holds its rows in memory. Training (:func:`build_training_rows`) reads them
 from the on-disk token cache instead: :mod:`sft_trainer.data_store` (the store), :mod:`sft_trainer.data_tokenize`
 (parallel tokenization), :mod:`sft_trainer.data_packing` (best-fit-decreasing pack plans) and
-:mod:`sft_trainer.data_rows` (rows assembled per index, images processed lazily).
+:mod:`sft_trainer.data_rows` (rows assembled per index, images processed lazily); it also takes data in other
+forms (another column, ShareGPT turns, HF ``datasets`` folders and hub ids): :mod:`sft_trainer.data_sources`.
 """
 
 from __future__ import annotations
@@ -285,7 +286,7 @@ def _jsonl_rows(
                 yield number, None, f"invalid JSON ({exc.msg} at column {exc.colno})"
 
 
-def _open_parquet(path: Path):
+def _open_parquet(path: Path, column: str = "messages"):
     import pyarrow.parquet as pq
 
     try:
@@ -293,18 +294,20 @@ def _open_parquet(path: Path):
     except Exception as exc:
         raise DataError(f"{path}: cannot read as Parquet ({exc})") from exc
     names = parquet.schema_arrow.names
-    if "messages" not in names:
-        raise DataError(f"{path}: no 'messages' column (columns: {names})")
+    if column not in names:
+        hint = "" if column == "messages" else " (data.messages_column)"
+        raise DataError(f"{path}: no {column!r} column{hint} (columns: {names})")
     return parquet
 
 
 def _parquet_rows(
-    path: Path, row_groups: Sequence[int] | None = None, first_row: int = 1
+    path: Path, row_groups: Sequence[int] | None = None, first_row: int = 1, column: str = "messages"
 ) -> Iterator[tuple[int, Any, str | None]]:
-    """``(row_number, row, None)`` of every row (of ``row_groups`` only when given, numbered from ``first_row``)."""
-    parquet = _open_parquet(path)
+    """``(row_number, row, None)`` of every row (of ``row_groups`` only when given, numbered from ``first_row``),
+    each row holding ``column`` only."""
+    parquet = _open_parquet(path, column)
     number = first_row - 1
-    for batch in parquet.iter_batches(batch_size=1024, columns=["messages"], row_groups=row_groups):
+    for batch in parquet.iter_batches(batch_size=1024, columns=[column], row_groups=row_groups):
         for row in batch.to_pylist():
             number += 1
             yield number, row, None
@@ -1154,8 +1157,9 @@ class PackedDataset(Dataset):
 def build_training_rows(cfg: Any, tokenizer: Any, *, image_processor: Any = None) -> tuple[Any, PackStats]:
     """The training rows and their stats for a run config (reads ``cfg.data``: ``path`` (or ``cfg.data_path``, the
     path with its default filled in), ``seq_len``, ``overlong``, ``on_error``, ``seed``, and ``cache_dir`` /
-    ``num_proc`` when set): a :class:`sft_trainer.data_rows.StoreDataset` of best-fit-decreasing rows read from
-    the token cache (built by local rank 0 of each node when missing), the same rows on every rank.
+    ``num_proc`` / ``messages_column`` / ``split`` / ``subset`` when set): a
+    :class:`sft_trainer.data_rows.StoreDataset` of best-fit-decreasing rows read from the token cache (built by
+    local rank 0 of each node when missing), the same rows on every rank.
     ``image_processor`` is needed when the data has images (``data.processor``). Pick a dp replica's rows with
     :func:`rows_for_rank`; every CP rank must get the same rows."""
     from sft_trainer.data_rows import open_packed_store_distributed
@@ -1172,6 +1176,9 @@ def build_training_rows(cfg: Any, tokenizer: Any, *, image_processor: Any = None
         image_paths_outside=getattr(data, "image_paths_outside", False),
         cache_dir=getattr(data, "cache_dir", None),
         num_proc=getattr(data, "num_proc", 0) or None,
+        messages_column=getattr(data, "messages_column", None),
+        split=getattr(data, "split", None),
+        subset=getattr(data, "subset", None),
     )
     return dataset, dataset.stats
 

@@ -36,11 +36,11 @@ from sft_trainer.data import (
     PackedRow,
     PackStats,
     VisionTokens,
-    _expand_paths,
     _portable_error,
     load_image,
 )
 from sft_trainer.data_packing import PackPlan, open_or_write_pack_plan
+from sft_trainer.data_sources import resolve_data_files
 from sft_trainer.data_tokenize import default_num_proc, options_for_key, token_options, write_token_store
 
 BUILD_TIMEOUT = timedelta(hours=12)
@@ -84,6 +84,8 @@ class StoreDataset(Dataset):
         self.pad_token_id = pad_token_id
         self.image_processor = image_processor
         self.image_paths_outside = image_paths_outside
+        # Files written from a datasets source resolve relative image paths against the source's folder.
+        self._source_dirs = store.manifest.get("key_inputs", {}).get("options", {}).get("source_dirs", {})
 
     @property
     def stats(self) -> PackStats:
@@ -139,7 +141,8 @@ class StoreDataset(Dataset):
         pictures = []
         for doc, i in images:
             ref = self.store.image_ref(i)
-            base = Path(self.store.manifest["sources"][int(arrays["doc_source"][doc])]).parent
+            source = self.store.manifest["sources"][int(arrays["doc_source"][doc])]
+            base = Path(self._source_dirs.get(source) or Path(source).parent)
             size, mtime = arrays["image_stat"][i].tolist()
             if isinstance(ref, str) and size >= 0:
                 path = Path(ref.removeprefix("file://"))
@@ -191,11 +194,14 @@ def _store_location(
     vision_tokens: VisionTokens | None,
     on_error: OnError,
     image_paths_outside: bool = False,
+    messages_column: str | None = None,
+    split: str | None = None,
+    subset: str | None = None,
 ) -> tuple[list[Path], Path, dict[str, Any], dict[str, Any]]:
-    """``(files, store folder, key inputs, worker options)`` of these files and settings."""
+    """``(files, store folder, key inputs, worker options)`` of these files (or ``datasets`` source, see
+    :mod:`sft_trainer.data_sources`) and settings."""
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-    files = _expand_paths(paths)
     cache = Path(cache_dir) if cache_dir is not None else data_store.default_cache_dir()
     try:
         cache.mkdir(parents=True, exist_ok=True)
@@ -204,6 +210,7 @@ def _store_location(
             f"token cache folder {cache} cannot be created ({exc.strerror}); set data.cache_dir (or "
             "SFT_TRAINER_CACHE) to a writable folder"
         ) from None
+    files, labels, dirs = resolve_data_files(paths, cache, messages_column=messages_column, split=split, subset=subset)
     memo_path = cache / "file-digests.json"
     memo = data_store.load_memo(memo_path)
     options = token_options(
@@ -212,6 +219,9 @@ def _store_location(
         vision_tokens=vision_tokens,
         on_error=on_error,
         image_paths_outside=image_paths_outside,
+        messages_column=messages_column,
+        source_labels=labels,
+        source_dirs=dirs,
     )
     key, inputs = data_store.token_key(
         files, tokenizer, image_processor=image_processor, options=options_for_key(options), memo=memo
@@ -230,6 +240,7 @@ def cached_packing(
     on_error: OnError = "raise",
     image_processor: Any = None,
     cache_dir: str | os.PathLike | None = None,
+    **source: Any,
 ) -> dict[str, Any]:
     """What packing these files gives, from the token cache, without tokenizing: ``{"cache": folder, "cached":
     bool}`` plus, when the store exists, ``efficiency`` and the :class:`~sft_trainer.data.PackStats` fields (the
@@ -243,6 +254,7 @@ def cached_packing(
         chat_template_kwargs=None,
         vision_tokens=None,
         on_error=on_error,
+        **source,
     )
     try:
         store = data_store.TokenStore.open(final)
@@ -265,9 +277,13 @@ def open_token_store(
     image_paths_outside: bool = False,
     num_proc: int | None = None,
     log: Callable[[str], None] = _print,
+    messages_column: str | None = None,
+    split: str | None = None,
+    subset: str | None = None,
 ) -> data_store.TokenStore:
     """The token store of these files and settings: reused when a complete one exists, else built with
-    ``num_proc`` processes (default: every core); says which in one line through ``log``."""
+    ``num_proc`` processes (default: every core); says which in one line through ``log``. ``messages_column``,
+    ``split`` and ``subset``: see :mod:`sft_trainer.data_sources`."""
     files, final, inputs, options = _store_location(
         paths,
         tokenizer,
@@ -278,6 +294,9 @@ def open_token_store(
         vision_tokens=vision_tokens,
         on_error=on_error,
         image_paths_outside=image_paths_outside,
+        messages_column=messages_column,
+        split=split,
+        subset=subset,
     )
     reason = "no cache for these files and settings yet"
     if final.exists():

@@ -38,6 +38,7 @@ from sft_trainer.data import (
     tokenize_conversation,
     validate_messages,
 )
+from sft_trainer.data_sources import conversation_column, row_messages
 
 _MIN_CHUNK_BYTES = 1 << 18
 _MAX_CHUNK_BYTES = 1 << 25
@@ -75,14 +76,25 @@ def default_num_proc() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def plan_chunks(files: Sequence[Path], num_proc: int) -> list[Chunk]:
+def parquet_column(path: Path, messages_column: str | None) -> str:
+    """The conversation column of a Parquet file (see :func:`sft_trainer.data_sources.conversation_column`)."""
+    import pyarrow.parquet as pq
+
+    return conversation_column(pq.read_schema(path).names, messages_column)
+
+
+def plan_chunks(files: Sequence[Path], num_proc: int, messages_column: str | None = None) -> list[Chunk]:
     """Chunks of about ``total bytes / (4 * num_proc)`` (within 256 KiB to 32 MiB), cut at line starts."""
     total = sum(f.stat().st_size for f in files)
     target = min(_MAX_CHUNK_BYTES, max(_MIN_CHUNK_BYTES, total // max(1, 4 * num_proc)))
     chunks: list[Chunk] = []
     for source, path in enumerate(files):
         if path.suffix in _PARQUET_SUFFIXES:
-            parquet = _open_parquet(path)
+            try:
+                column = parquet_column(path, messages_column)
+            except Exception as exc:
+                raise DataError(f"{path}: cannot read as Parquet ({exc})") from exc
+            parquet = _open_parquet(path, column)
             first = 1
             for group in range(parquet.num_row_groups):
                 chunks.append(Chunk(len(chunks), source, str(path), True, group, group + 1, first))
@@ -149,8 +161,12 @@ def tokenize_chunk(chunk: Chunk) -> ChunkResult:
     """Validate and tokenize the rows of ``chunk`` and save them as ``chunk-<index>.npz`` in the output folder."""
     tokenizer, processor, options = _STATE["tokenizer"], _STATE["image_processor"], _STATE["options"]
     path = Path(chunk.path)
+    where = options["source_labels"].get(chunk.path, chunk.path)  # a datasets source: its name, not the cache file
+    base = Path(options["source_dirs"].get(chunk.path, path.parent))  # relative image paths start here
     rows = (
-        _parquet_rows(path, range(chunk.start, chunk.end), chunk.first_row)
+        _parquet_rows(
+            path, range(chunk.start, chunk.end), chunk.first_row, parquet_column(path, options["messages_column"])
+        )
         if chunk.parquet
         else _jsonl_rows(path, chunk.start, chunk.end, chunk.first_row)
     )
@@ -163,20 +179,20 @@ def tokenize_chunk(chunk: Chunk) -> ChunkResult:
         try:
             if problem is not None:
                 raise ValueError(problem)
-            messages = validate_messages(row)
+            messages = validate_messages(row_messages(row, options["messages_column"]))
             doc = tokenize_conversation(
                 tokenizer,
                 messages,
                 end_of_turn=options["end_of_turn"],
                 chat_template_kwargs=options["chat_template_kwargs"],
                 image_processor=processor,
-                base_dir=path.parent,
+                base_dir=base,
                 vision_tokens=options["vision_tokens"],
                 image_paths_outside=options["image_paths_outside"],
             )
-            images = [image_reference(image, path.parent) for _, image in conversation_images(messages)]
+            images = [image_reference(image, base) for _, image in conversation_images(messages)]
         except (ValueError, OSError) as exc:
-            message = f"{path}: row {number}: {exc}"
+            message = f"{where}: row {number}: {exc}"
             if options["on_error"] == "raise":
                 result.error = message
                 break
@@ -319,7 +335,7 @@ def write_token_store(
     started = time.perf_counter()
     tmp = data_store.temporary_sibling(final)
     try:
-        chunks = plan_chunks(files, num_proc)
+        chunks = plan_chunks(files, num_proc, options["messages_column"])
         shards = tmp / "shards"
         shards.mkdir()
         procs = max(1, min(num_proc, len(chunks)))
@@ -357,15 +373,23 @@ def token_options(
     vision_tokens: VisionTokens | None,
     on_error: OnError,
     image_paths_outside: bool = False,
+    messages_column: str | None = None,
+    source_labels: Mapping[str, str] | None = None,
+    source_dirs: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The rendering options a worker needs (they are part of the store key: which image paths are accepted
-    decides which rows are valid)."""
+    decides which rows are valid): ``source_labels`` and ``source_dirs`` map a file written from a ``datasets``
+    source to the name its errors show and the folder its relative image paths start from (other files: their own
+    name and folder)."""
     return {
         "end_of_turn": end_of_turn,
         "chat_template_kwargs": dict(chat_template_kwargs or {}),
         "vision_tokens": vision_tokens or VisionTokens(),
         "on_error": on_error,
         "image_paths_outside": image_paths_outside,
+        "messages_column": messages_column,
+        "source_labels": dict(source_labels or {}),
+        "source_dirs": dict(source_dirs or {}),
     }
 
 

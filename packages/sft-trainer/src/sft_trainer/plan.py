@@ -1239,6 +1239,9 @@ def _data_packing(cfg) -> dict[str, Any]:
             on_error=data.on_error,
             image_processor=processor,
             cache_dir=data.cache_dir,
+            messages_column=data.messages_column,
+            split=data.split,
+            subset=data.subset,
         )
     except Exception as exc:  # the run reports data problems with their file and row; the plan only notes them
         return {"error": f"{type(exc).__name__}: {exc}"}

@@ -458,7 +458,8 @@ def start_wandb(cfg):
 RUN_USAGE = (
     "Trains: spawns dp x cp local workers (CPU), or runs as one torchrun worker. `sft-train plan ...` takes the same\n"
     "config and prints the CP traffic, memory per rank and the longest row that fits instead (`sft-train plan --help`).\n"
-    "`sft-train report RUN_DIR` plots a run's metrics.jsonl to RUN_DIR/report.png and prints a summary."
+    "`sft-train report RUN_DIR` plots a run's metrics.jsonl to RUN_DIR/report.png and prints a summary.\n"
+    "`sft-train inspect-data ... [--rows N]` prints the first packed rows with the loss tokens marked, trains nothing."
 )
 
 
@@ -480,6 +481,8 @@ def start(argv: list[str] | None = None) -> None:
     per rank and the longest row that fits instead (``sft_trainer.plan``), starting nothing.
     ``sft-train report RUN_DIR`` plots a finished (or running) run's metrics and prints its summary
     (``sft_trainer.report``).
+    ``sft-train inspect-data [--config ...] [--rows N]`` prints the first packed rows with their loss tokens marked
+    and the packing statistics (``sft_trainer.inspect_data``), starting no worker.
     ``--config`` may stand anywhere among the overrides; the overrides apply on top of it, in order."""
     from sft_trainer.config import ConfigError, load_config, wants_help
     from sft_trainer.plan import split_config_argument
@@ -489,6 +492,11 @@ def start(argv: list[str] | None = None) -> None:
         from sft_trainer.plan import main as plan_main
 
         plan_main(argv[1:])
+        return
+    if argv and argv[0] == "inspect-data":
+        from sft_trainer.inspect_data import main as inspect_main
+
+        inspect_main(argv[1:])
         return
     if argv and argv[0] == "report":
         from sft_trainer.report import main as report_main
