@@ -903,7 +903,7 @@ def test_lora_on_down_proj_counts_the_plain_mlp():
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])
-def test_a_gpu_run_warns_before_launch_when_the_plan_does_not_fit(capsys, monkeypatch, rank):
+def test_a_gpu_run_warns_before_launch_when_the_plan_does_not_fit(capsys, monkeypatch, tmp_path, rank):
     """On a GPU, `sft-train` prints the planner's reason and fixes before any weights load (rank 0 only), then
     launches anyway: the estimate is within 15 %, so a run near the limit may still fit."""
     import sft_trainer.run as run
@@ -913,7 +913,8 @@ def test_a_gpu_run_warns_before_launch_when_the_plan_does_not_fit(capsys, monkey
     monkeypatch.setattr(run, "launch", launched.append)
     monkeypatch.setenv("RANK", rank)
     args = ["--config", "tiny_cpu", "--model.config", "qwen3_5-0.8b", "--model.dtype", "bfloat16"]
-    run_main([*args, "--data.seq_len", "1048576", "--parallel.cp", "2"])
+    # Each call holds its output folder for the life of this process, as a run does: one folder per call.
+    run_main([*args, "--data.seq_len", "1048576", "--parallel.cp", "2", "--output_dir", str(tmp_path / "long")])
     out = capsys.readouterr().out
     expected = plan.build_plan(load_config("tiny_cpu", [*args[2:], "--data.seq_len", "1048576", "--parallel.cp", "2"]))
     assert len(launched) == 1 and not expected["fits"]
@@ -925,17 +926,18 @@ def test_a_gpu_run_warns_before_launch_when_the_plan_does_not_fit(capsys, monkey
         assert "does not fit: needs" in out and "enable model.activation_checkpointing" in out
     else:
         assert out == ""
-    run_main([*args, "--data.seq_len", "8192", "--parallel.cp", "2"])  # fits: nothing printed
+    run_main([*args, "--data.seq_len", "8192", "--parallel.cp", "2", "--output_dir", str(tmp_path / "short")])  # fits
     assert capsys.readouterr().out == "" and len(launched) == 2
 
 
-def test_a_cpu_run_skips_the_gpu_plan(capsys, monkeypatch):
+def test_a_cpu_run_skips_the_gpu_plan(capsys, monkeypatch, tmp_path):
     import sft_trainer.run as run
 
     monkeypatch.setattr(run, "_backend", lambda cfg: "gloo")
     monkeypatch.setattr(run, "launch", lambda cfg: None)
     monkeypatch.setattr(run, "warn_when_plan_does_not_fit", lambda cfg: pytest.fail("planned a CPU run"))
-    run_main(["--config", "tiny_cpu", "--model.config", "qwen3_5-0.8b", "--data.seq_len", "1048576"])
+    args = ["--model.config", "qwen3_5-0.8b", "--data.seq_len", "1048576", "--output_dir", str(tmp_path)]
+    run_main(["--config", "tiny_cpu", *args])
     assert capsys.readouterr().out == ""
 
 
