@@ -1239,6 +1239,7 @@ def _data_packing(cfg) -> dict[str, Any]:
             on_error=data.on_error,
             image_processor=processor,
             cache_dir=data.cache_dir,
+            image_paths_outside=data.image_paths_outside,  # part of the store key, as in a run
             messages_column=data.messages_column,
             split=data.split,
             subset=data.subset,
