@@ -1164,23 +1164,30 @@ def build_training_rows(cfg: Any, tokenizer: Any, *, image_processor: Any = None
     :func:`rows_for_rank`; every CP rank must get the same rows."""
     from sft_trainer.data_rows import open_packed_store_distributed
 
-    data = cfg.data
     dataset = open_packed_store_distributed(
-        getattr(cfg, "data_path", None) or data.path,
+        getattr(cfg, "data_path", None) or cfg.data.path,
         tokenizer,
-        data.seq_len,
-        seed=data.seed,
-        overlong=data.overlong,
-        on_error=data.on_error,
+        cfg.data.seq_len,
         image_processor=image_processor,
-        image_paths_outside=getattr(data, "image_paths_outside", False),
-        cache_dir=getattr(data, "cache_dir", None),
-        num_proc=getattr(data, "num_proc", 0) or None,
-        messages_column=getattr(data, "messages_column", None),
-        split=getattr(data, "split", None),
-        subset=getattr(data, "subset", None),
+        num_proc=getattr(cfg.data, "num_proc", 0) or None,
+        **store_options(cfg.data),
     )
     return dataset, dataset.stats
+
+
+def store_options(data: Any) -> dict[str, Any]:
+    """The ``[data]`` settings that pick the token store and pack plan, beside the files, tokenizer, processor and
+    seq_len: what a run and ``sft-train plan`` must both pass to find the same cache."""
+    return {
+        "seed": data.seed,
+        "overlong": data.overlong,
+        "on_error": data.on_error,
+        "image_paths_outside": getattr(data, "image_paths_outside", False),
+        "cache_dir": getattr(data, "cache_dir", None),
+        "messages_column": getattr(data, "messages_column", None),
+        "split": getattr(data, "split", None),
+        "subset": getattr(data, "subset", None),
+    }
 
 
 def _portable_error(exc: Exception) -> Exception:

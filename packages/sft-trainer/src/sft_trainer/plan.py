@@ -1220,9 +1220,9 @@ def _data_packing(cfg) -> dict[str, Any]:
     ``{"error": ...}`` when the data or tokenizer cannot be read, which the run itself will report)."""
     from transformers import AutoTokenizer
 
+    from sft_trainer.data import store_options
     from sft_trainer.data_rows import cached_packing
 
-    data = cfg.data
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
         processor = None
@@ -1231,18 +1231,7 @@ def _data_packing(cfg) -> dict[str, Any]:
 
             processor = load_image_processor(cfg.processor_path)
         return cached_packing(
-            cfg.data_path,
-            tokenizer,
-            data.seq_len,
-            seed=data.seed,
-            overlong=data.overlong,
-            on_error=data.on_error,
-            image_processor=processor,
-            cache_dir=data.cache_dir,
-            image_paths_outside=data.image_paths_outside,  # part of the store key, as in a run
-            messages_column=data.messages_column,
-            split=data.split,
-            subset=data.subset,
+            cfg.data_path, tokenizer, cfg.data.seq_len, image_processor=processor, **store_options(cfg.data)
         )
     except Exception as exc:  # the run reports data problems with their file and row; the plan only notes them
         return {"error": f"{type(exc).__name__}: {exc}"}
