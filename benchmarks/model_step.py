@@ -57,6 +57,7 @@ VARIANTS = {
     "cp_models": "eager",
     "cp_models + act. ckpt": "activation checkpointing of every block",
     "cp_models + act. ckpt + compile": "checkpointing and torch.compile of norms and MLP/MoE",
+    "cp_models + mamba-ssm": "eager, Mamba-2 conv and SSD on causal-conv1d and mamba-ssm (recurrent_backend mamba_ssm)",
     "transformers": "its best installed kernels",
     "transformers + grad. ckpt": "gradient checkpointing",
 }
@@ -136,6 +137,9 @@ def build(variant: str, config, device: str):
             model = getattr(transformers, cls)(config).to(dtype)
         if "ckpt" in variant:
             model.gradient_checkpointing_enable()
+        if nemotron:  # whether its Mamba mixer found mamba-ssm and causal-conv1d (else its slow torch path runs)
+            module = sys.modules[type(model).__module__]
+            print(f"transformers nemotron_h fast path: {getattr(module, 'is_fast_path_available', 'not reported')}")
 
         def step(ids):
             loss = model(input_ids=ids[None], labels=ids[None]).loss
@@ -147,8 +151,9 @@ def build(variant: str, config, device: str):
     from cp_models import NemotronHForCausalLM, Qwen35ForCausalLM, apply_activation_checkpointing
     from sft_trainer.parallelize import apply_compile
 
+    kwargs = {"recurrent_backend": "mamba_ssm"} if "mamba-ssm" in variant else {}
     with torch.device(device):
-        model = (NemotronHForCausalLM if nemotron else Qwen35ForCausalLM)(config).to(dtype)
+        model = (NemotronHForCausalLM if nemotron else Qwen35ForCausalLM)(config, **kwargs).to(dtype)
     if "ckpt" in variant:
         apply_activation_checkpointing(model)
     if "compile" in variant:

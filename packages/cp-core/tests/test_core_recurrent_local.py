@@ -394,6 +394,16 @@ def test_resolve_recurrent_backend_on_cpu():
         resolve_recurrent_backend("fla", x)
     with pytest.raises(ContextParallelError, match="unknown recurrent backend 'triton'"):
         resolve_recurrent_backend("triton", x)
+    for op in ("conv", "ssd", "gated_delta", "norm"):
+        assert resolve_recurrent_backend("auto", x, op) == "torch"
+    with pytest.raises(ContextParallelError, match="backend 'mamba_ssm' needs CUDA tensors and mamba-ssm"):
+        resolve_recurrent_backend("mamba_ssm", x, "ssd")
+    with pytest.raises(ContextParallelError, match="backend 'mamba_ssm' needs CUDA tensors"):
+        resolve_recurrent_backend("mamba_ssm", x, "conv")
+    # ops mamba-ssm has no kernel for run as under "auto"
+    assert resolve_recurrent_backend("mamba_ssm", x, "gated_delta") == "torch"
+    with pytest.raises(ContextParallelError, match="unknown kernel op 'scan'"):
+        resolve_recurrent_backend("auto", x, "scan")
 
 
 def test_forcing_fla_on_cpu_raises_in_every_primitive():

@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import NemotronHConfig
 
-from cp_core.kernels import fla_available
+from cp_core.kernels import fla_available, mamba_ssm_available
 from cp_core.testing import kernel_agreement, relative_l2
 from cp_models import NemotronHForCausalLM
 
@@ -55,21 +55,37 @@ def nano_config(**overrides) -> NemotronHConfig:
     return NemotronHConfig(**values)
 
 
-@pytest.mark.parametrize("style", ["state_passing", "a2a"])
-def test_fast_kernels_match_torch_path(style):
-    """Without CP both Mamba styles run the same local kernels; both are built to check each wires them."""
+@pytest.mark.parametrize(
+    "style, kernel",
+    [
+        ("state_passing", "auto"),
+        ("a2a", "auto"),
+        pytest.param(
+            "state_passing",
+            "mamba_ssm",
+            marks=pytest.mark.skipif(not mamba_ssm_available(), reason="needs mamba-ssm and causal-conv1d"),
+        ),
+    ],
+)
+def test_fast_kernels_match_torch_path(style, kernel):
+    """Without CP both Mamba styles run the same local kernels; both are built to check each wires them. "auto"
+    runs fla's conv and SSD, "mamba_ssm" causal-conv1d's conv and mamba-ssm's SSD."""
     config = nano_config()
     lens = [2000, 1500, 596]
     torch.manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (sum(lens),), device="cuda")
 
     def make(backend):
-        kwargs = {} if backend == "fast" else dict(attention_backend="torch", recurrent_backend="torch")
+        kwargs = (
+            dict(recurrent_backend=kernel)
+            if backend == "fast"
+            else dict(attention_backend="torch", recurrent_backend="torch")
+        )
         with torch.device("cuda"):  # initialized on the GPU: ~0.3B parameters take long on the host
             return NemotronHForCausalLM(config, mamba_cp_style=style, **kwargs)
 
     result = kernel_agreement(make, lambda model: model(ids, lens, return_logits=True).logits, log=print)
-    print(style, result)
+    print(style, kernel, result)
     assert result.output < 7e-2
     assert result.fast_vs_fp32 <= 1.25 * result.reference_vs_fp32
     worse = result.grads_worse_than_reference(factor=1.25, slack=1e-2)

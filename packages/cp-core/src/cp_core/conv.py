@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from cp_core.errors import ContextParallelError
-from cp_core.kernels import RecurrentBackend, fla_varlen_kwargs, resolve_recurrent_backend
+from cp_core.kernels import RecurrentBackend, document_index, fla_varlen_kwargs, resolve_recurrent_backend
 from cp_core.packing import PackedRowMetadata, position_ids_from_seq_lens
 from cp_core.sharding import exchange_p2p
 from cp_core.topology import CPTopology
@@ -113,6 +113,39 @@ def _fla_causal_conv1d(x, weight, bias, activation, seq_lens, halo, tokens_befor
     return y.squeeze(0)
 
 
+def _mamba_causal_conv1d(x, weight, bias, activation, seq_lens, halo, tokens_before):
+    """causal-conv1d's CUDA kernel, channel-last (the layout its ``seq_idx`` and ``initial_states`` need)."""
+    from causal_conv1d import causal_conv1d_fn
+
+    width, dim = weight.size(1), x.size(1)
+    if not 2 <= width <= 4 or dim % 8:
+        raise ContextParallelError(
+            f"causal-conv1d runs widths 2-4 on channels divisible by 8, got width {width} and {dim} channels; "
+            "use recurrent_backend 'fla' or 'torch'"
+        )
+    initial = None
+    if halo is not None:  # only the first document's own earlier tokens may enter: zero the rest of the halo
+        keep = torch.arange(width - 1, device=x.device) >= (width - 1 - tokens_before)
+        initial = (halo.to(x.dtype) * keep[:, None].to(x.dtype)).t()[None]  # [1, D, W-1], channel-last
+    y = causal_conv1d_fn(
+        x.t()[None],  # [1, D, T] with stride 1 along D: channel-last
+        weight.to(x.dtype),
+        bias.to(x.dtype) if bias is not None else None,
+        seq_idx=document_index(seq_lens, x.device),
+        initial_states=initial,
+        activation=activation,
+    )
+    return y[0].t()
+
+
+def _kernel_conv(kernel, x, weight, bias, activation, seq_lens, halo, tokens_before, positions):
+    if kernel == "fla":
+        return _fla_causal_conv1d(x, weight, bias, activation, seq_lens, halo, tokens_before)
+    if kernel == "mamba_ssm":
+        return _mamba_causal_conv1d(x, weight, bias, activation, seq_lens, halo, tokens_before)
+    return causal_conv1d_torch(x, weight, bias, activation, positions, halo)
+
+
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -125,9 +158,9 @@ def causal_conv1d(
     """Causal depthwise conv over local documents ``seq_lens`` (no CP)."""
     _check(x, weight, bias, activation)
     _check_lens(x, seq_lens)
-    if resolve_recurrent_backend(backend, x) == "fla":
-        return _fla_causal_conv1d(x, weight, bias, activation, seq_lens, None, 0)
-    return causal_conv1d_torch(x, weight, bias, activation, position_ids_from_seq_lens(seq_lens))
+    kernel = resolve_recurrent_backend(backend, x, "conv")
+    positions = position_ids_from_seq_lens(seq_lens) if kernel == "torch" else None
+    return _kernel_conv(kernel, x, weight, bias, activation, seq_lens, None, 0, positions)
 
 
 def _needs_halo(metadata: PackedRowMetadata, rank: int) -> bool:
@@ -189,8 +222,15 @@ def causal_conv1d_cp(
         )
     width = weight.size(1)
     halo = exchange_halo(x, width - 1, metadata, topology) if topology.enabled and width > 1 else None
-    if resolve_recurrent_backend(backend, x) == "fla":
-        return _fla_causal_conv1d(
-            x, weight, bias, activation, metadata.local_seq_lens, halo, metadata.first_doc_tokens_before
-        )
-    return causal_conv1d_torch(x, weight, bias, activation, metadata.local_position_ids, halo)
+    kernel = resolve_recurrent_backend(backend, x, "conv")
+    return _kernel_conv(
+        kernel,
+        x,
+        weight,
+        bias,
+        activation,
+        metadata.local_seq_lens,
+        halo,
+        metadata.first_doc_tokens_before,
+        metadata.local_position_ids,
+    )

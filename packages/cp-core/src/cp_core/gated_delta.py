@@ -193,7 +193,7 @@ def gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated delta rule over local documents ``seq_lens`` with the chosen backend (no CP)."""
     _check(q, k, v, g, beta, seq_lens, initial_state)
-    if resolve_recurrent_backend(backend, q) == "fla":
+    if resolve_recurrent_backend(backend, q, "gated_delta") == "fla":
         return _chunk_gated_delta_rule_fla(
             q, k, v, g, beta, seq_lens=seq_lens, scale=scale, initial_state=initial_state, qk_l2norm=qk_l2norm
         )
@@ -318,7 +318,7 @@ def gated_delta_rule_cp(
     # tensors fla's kernel keeps, so the pre-pass keeps nothing of its own but g. The same kernels run; where the
     # pre-pass also contributes to dq / dk, the two contributions now meet before the normalization's backward
     # (a rounding difference). The torch path keeps its own chunked copies either way: v stays as it is.
-    backend = resolve_recurrent_backend(backend, q)
+    backend = resolve_recurrent_backend(backend, q, "gated_delta")
     if qk_l2norm:
         q, k = _l2norm_autograd(q, backend), _l2norm_autograd(k, backend)
     if backend == "fla":

@@ -1,6 +1,11 @@
 """Choice between torch reference paths and GPU kernels for the recurrent primitives.
 
-flash-linear-attention is imported only when a CUDA tensor is about to use it: it imports Triton kernels at import
+Backends: ``"torch"`` (the reference paths, any device), ``"fla"`` (flash-linear-attention: conv, SSD, gated delta,
+gated norm), ``"mamba_ssm"`` (mamba-ssm's Triton SSD and causal-conv1d's CUDA conv for Mamba-2 layers; the ops
+those packages lack run as under ``"auto"``), and ``"auto"``, which picks per op the fastest kernel installed by
+the table in docs/benchmarks/recurrent_kernels.md (:data:`AUTO_ORDER`).
+
+The kernel packages are imported only when a CUDA tensor is about to use them: fla imports Triton kernels at import
 time, which fails on machines without a GPU even when Triton is installed.
 """
 
@@ -14,8 +19,18 @@ import torch
 
 from cp_core.errors import ContextParallelError
 
-RecurrentBackend = Literal["auto", "torch", "fla"]
-RECURRENT_BACKENDS: tuple[str, ...] = ("auto", "torch", "fla")
+RecurrentBackend = Literal["auto", "torch", "fla", "mamba_ssm"]
+RECURRENT_BACKENDS: tuple[str, ...] = ("auto", "torch", "fla", "mamba_ssm")
+KernelOp = Literal["conv", "ssd", "gated_delta", "norm"]
+
+# Per op, the kernels "auto" tries in order on CUDA tensors (then torch); measured in recurrent_kernels.md.
+AUTO_ORDER: dict[str, tuple[str, ...]] = {
+    "conv": ("fla", "mamba_ssm"),
+    "ssd": ("fla", "mamba_ssm"),
+    "gated_delta": ("fla",),
+    "norm": ("fla",),
+}
+_MAMBA_SSM_OPS = ("conv", "ssd")
 
 
 @cache
@@ -23,17 +38,41 @@ def fla_available() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
-def resolve_recurrent_backend(backend: str, x: torch.Tensor) -> str:
-    """``"torch"`` or ``"fla"`` for tensors like ``x``; a forced ``"fla"`` that cannot run raises."""
+@cache
+def mamba_ssm_available() -> bool:
+    """mamba-ssm (its SSD) and causal-conv1d (its conv) both installed: the pair that Mamba-2 layers use."""
+    return importlib.util.find_spec("mamba_ssm") is not None and importlib.util.find_spec("causal_conv1d") is not None
+
+
+def _installed(kernel: str) -> bool:
+    return fla_available() if kernel == "fla" else mamba_ssm_available()
+
+
+_PACKAGES = {"fla": "flash-linear-attention", "mamba_ssm": "mamba-ssm and causal-conv1d"}
+
+
+def resolve_recurrent_backend(backend: str, x: torch.Tensor, op: KernelOp = "gated_delta") -> str:
+    """``"torch"``, ``"fla"`` or ``"mamba_ssm"`` for ``op`` on tensors like ``x``; a forced kernel that cannot run
+    raises."""
     if backend not in RECURRENT_BACKENDS:
         raise ContextParallelError(f"unknown recurrent backend {backend!r}; choose one of {RECURRENT_BACKENDS}")
+    if op not in AUTO_ORDER:
+        raise ContextParallelError(f"unknown kernel op {op!r}; choose one of {tuple(AUTO_ORDER)}")
     if backend == "torch":
         return "torch"
-    usable = x.is_cuda and fla_available()
-    if backend == "fla" and not usable:
-        why = "flash-linear-attention is not installed" if not fla_available() else f"tensors are on {x.device}"
-        raise ContextParallelError(f"recurrent backend 'fla' needs CUDA tensors and flash-linear-attention ({why})")
-    return "fla" if usable else "torch"
+    if backend == "auto" or (backend == "mamba_ssm" and op not in _MAMBA_SSM_OPS):
+        if x.is_cuda:
+            for kernel in AUTO_ORDER[op]:
+                if _installed(kernel):
+                    return kernel
+        return "torch"
+    if not (x.is_cuda and _installed(backend)):
+        why = f"{_PACKAGES[backend]} not installed" if not _installed(backend) else f"tensors are on {x.device}"
+        raise ContextParallelError(
+            f"recurrent backend {backend!r} needs CUDA tensors and {_PACKAGES[backend]} ({why}); "
+            "use recurrent_backend 'auto' or 'torch'"
+        )
+    return backend
 
 
 def fla_varlen_kwargs(seq_lens, device: torch.device) -> dict[str, torch.Tensor]:
@@ -42,3 +81,9 @@ def fla_varlen_kwargs(seq_lens, device: torch.device) -> dict[str, torch.Tensor]
 
     cu_cpu = cu_seqlens_from_lens(seq_lens).long()
     return {"cu_seqlens": cu_cpu.to(device, non_blocking=True), "cu_seqlens_cpu": cu_cpu}
+
+
+def document_index(seq_lens, device: torch.device) -> torch.Tensor:
+    """int32 [1, T]: each token's document number (mamba-ssm's and causal-conv1d's ``seq_idx``)."""
+    lens = torch.as_tensor(list(seq_lens), dtype=torch.int64)
+    return torch.repeat_interleave(torch.arange(len(lens), dtype=torch.int32), lens).to(device, non_blocking=True)[None]

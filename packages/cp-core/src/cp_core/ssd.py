@@ -10,7 +10,7 @@ Per head ``h`` (state [P, N]), heads grouped onto ``G`` groups of B and C (head 
 
 Implementations: :func:`naive_recurrent_ssd` (per token; the oracle), :func:`chunk_ssd_torch` (chunked,
 document-aligned chunks) and, on CUDA, flash-linear-attention's ``chunk_simple_gla`` with q = C, k = B, v = dt x,
-g = dt A, scale 1. Under CP (:func:`ssd_cp`) the recurrence is linear in the initial state, so one pass from zero
+g = dt A, scale 1, or mamba-ssm's Triton SSD (``mamba_chunk_scan_combined`` with ``seq_idx``). Under CP (:func:`ssd_cp`) the recurrence is linear in the initial state, so one pass from zero
 suffices: the last document's final state and total decay go through :func:`cp_core.state_passing.pass_states`, and
 the first document's outputs get the exact correction ``exp(sum_{i<=t} a_i) S0 C_t``.
 """
@@ -23,7 +23,7 @@ import torch
 
 from cp_core.chunking import build_chunk_layout
 from cp_core.errors import ContextParallelError
-from cp_core.kernels import RecurrentBackend, fla_varlen_kwargs, resolve_recurrent_backend
+from cp_core.kernels import RecurrentBackend, document_index, fla_varlen_kwargs, resolve_recurrent_backend
 from cp_core.numerics import upcast
 from cp_core.packing import PackedRowMetadata
 from cp_core.state_passing import pass_states
@@ -152,6 +152,65 @@ def _ssd_fla(x, dt, A, B, C, *, seq_lens, D, initial_state):
     return y, final.transpose(-1, -2)
 
 
+MAMBA_CHUNK = 256  # mamba-ssm's chunk length for Mamba-2 (its Mamba2 module's default)
+
+
+def _group_outer(v: torch.Tensor, bc: torch.Tensor) -> torch.Tensor:
+    """sum_t v[t, h, :] outer bc[t, group(h), :] -> [H, P, N] (per group: one matmul over the group's heads)."""
+    steps, heads, head_dim = v.shape
+    groups = bc.size(1)
+    per_group = v.reshape(steps, groups, heads // groups * head_dim)
+    return torch.einsum("tgm,tgn->gmn", per_group, bc).reshape(heads, head_dim, -1)
+
+
+def _with_initial_states(y, finals, log_decay, C, seq_lens, initial_state):
+    """Adds each document's initial state, exactly: the recurrence is linear in it, so S_t gains
+    exp(sum_{i<=t} a_i) S0 and y_t gains that times S0 C_t."""
+    heads, head_dim = y.size(1), y.size(2)
+    groups = C.size(1)
+    pieces, new_finals, offset = [], [], 0
+    for doc, length in enumerate(seq_lens):
+        span = slice(offset, offset + length)
+        decay = log_decay[span].cumsum(0).exp()  # [L, H]
+        state = upcast(initial_state[doc]).reshape(groups, heads // groups * head_dim, -1)
+        gain = torch.einsum("gmn,tgn->tgm", state, upcast(C[span])).reshape(-1, heads, head_dim)
+        pieces.append(y[span] + (decay[..., None] * gain).to(y.dtype))
+        new_finals.append(finals[doc] + decay[-1][:, None, None] * upcast(initial_state[doc]))
+        offset += length
+    return torch.cat(pieces), torch.stack(new_finals)
+
+
+def _ssd_mamba(x, dt, A, B, C, *, seq_lens, D, initial_state):
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+
+    # From zero state: the kernel's final state (with gradient) is the last document's; mamba-ssm's per-document
+    # states have no backward, so the earlier documents' finals come from their closed form.
+    y, last = mamba_chunk_scan_combined(
+        x[None],
+        dt[None],
+        A.float(),
+        B[None],
+        C[None],
+        chunk_size=MAMBA_CHUNK,
+        D=D.float() if D is not None else None,
+        seq_idx=document_index(seq_lens, x.device),
+        return_final_states=True,
+    )
+    y = y[0]
+    log_decay = upcast(dt) * upcast(A)
+    finals, offset = [], 0
+    for length in seq_lens[:-1]:
+        span = slice(offset, offset + length)
+        cum = log_decay[span].cumsum(0)
+        weight = (cum[-1] - cum).exp() * upcast(dt[span])  # [L, H]: decay to the document's end, times dt
+        finals.append(_group_outer(weight[..., None] * upcast(x[span]), upcast(B[span])))
+        offset += length
+    finals = torch.stack([*finals, last[0].float()])
+    if initial_state is not None:
+        y, finals = _with_initial_states(y, finals, log_decay, C, seq_lens, initial_state)
+    return y, finals
+
+
 def ssd(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -166,8 +225,11 @@ def ssd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SSD over local documents with the chosen backend (no CP)."""
     _check(x, dt, A, B, C, D, seq_lens, initial_state)
-    if resolve_recurrent_backend(backend, x) == "fla":
+    kernel = resolve_recurrent_backend(backend, x, "ssd")
+    if kernel == "fla":
         return _ssd_fla(x, dt, A, B, C, seq_lens=seq_lens, D=D, initial_state=initial_state)
+    if kernel == "mamba_ssm":
+        return _ssd_mamba(x, dt, A, B, C, seq_lens=seq_lens, D=D, initial_state=initial_state)
     return chunk_ssd_torch(x, dt, A, B, C, seq_lens=seq_lens, D=D, initial_state=initial_state)
 
 

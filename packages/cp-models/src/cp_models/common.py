@@ -252,7 +252,7 @@ class ZeroCenteredRMSNorm(nn.Module):
         return (y * (1.0 + self.weight.float())).type_as(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if resolve_recurrent_backend(self.backend, x) == "fla":
+        if resolve_recurrent_backend(self.backend, x, "norm") == "fla":
             from fla.modules.norm.layernorm import rms_norm
 
             return rms_norm(x, 1.0 + self.weight.float(), None, eps=self.eps)
@@ -293,7 +293,7 @@ class GatedRMSNorm(nn.Module):
         return y.to(dtype)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        if resolve_recurrent_backend(self.backend, x) == "fla":
+        if resolve_recurrent_backend(self.backend, x, "norm") == "fla":
             from fla.modules.norm.layernorm_gated import rmsnorm_fn
 
             group = None if self.group_size == x.size(-1) else self.group_size

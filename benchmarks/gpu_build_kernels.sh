@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Build causal-conv1d and mamba-ssm wheels for Hopper (sm_90 only) on the device machine, from their sdists
+# (downloaded here with `python3 benchmarks/gpu_build_kernels.sh fetch`, which writes the ignored folder .gpu/src).
+#   bash benchmarks/gpu_build_kernels.sh start    # on the device machine: builds in the background (setsid), so
+#                                                 # other calls can use the GPU while nvcc runs on the CPU cores
+#   bash benchmarks/gpu_build_kernels.sh collect  # waits for the build, then copies the wheels (split into parts
+#                                                 # under 15 MiB) and the build logs to $OUT
+# Both packages compile every architecture from sm_75 to sm_121 by default; the build keeps only sm_90 (H100/H200),
+# which cuts nvcc's work about eightfold. A user with a normal CUDA box installs them with
+# `uv sync --all-packages --extra mamba` (prebuilt wheels where their index has one for the torch in use).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+BUILD=/tmp/kernel_build
+case "${1:-}" in
+  fetch)
+    mkdir -p .gpu/src
+    grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+    python3 - <<'PY'  # the sdists straight from PyPI: pip would try to build their metadata, which needs torch
+import json, urllib.request
+for name, version in [("causal-conv1d", "1.7.0"), ("mamba-ssm", "2.3.2.post1")]:
+    for f in json.load(urllib.request.urlopen(f"https://pypi.org/pypi/{name}/json"))["releases"][version]:
+        if f["packagetype"] == "sdist":
+            urllib.request.urlretrieve(f["url"], f".gpu/src/{f['filename']}")
+PY
+    ls -la .gpu/src
+    ;;
+  start)
+    mkdir -p "$BUILD/wheels"
+    for sdist in .gpu/src/*.tar.gz; do tar xzf "$sdist" -C "$BUILD"; done
+    # keep only the sm_90 gencode pair in each setup.py
+    for setup in "$BUILD"/*/setup.py; do
+      python3 - "$setup" <<'PY'
+import re, sys
+path = sys.argv[1]
+lines = open(path).read().split("\n")
+out, skip_next = [], False
+for i, line in enumerate(lines):
+    if line.strip() == 'cc_flag.append("-gencode")' and i + 1 < len(lines):
+        nxt = lines[i + 1]
+        if "arch=compute_" in nxt and "arch=compute_90," not in nxt:
+            skip_next = True
+            continue
+    if skip_next:
+        skip_next = False
+        continue
+    out.append(line)
+open(path, "w").write("\n".join(out))
+print(path, "gencodes left:", re.findall(r"arch=compute_\d+,code=sm_\d+", "\n".join(out)))
+PY
+    done
+    cat > "$BUILD/build.sh" <<'SH'
+set -x
+cd /tmp/kernel_build
+export MAX_JOBS=16 CAUSAL_CONV1D_FORCE_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE
+nvcc --version | tail -2
+python3 -m pip wheel -v --no-deps --no-build-isolation -w wheels causal_conv1d-*/ > causal_conv1d.log 2>&1
+echo "causal-conv1d exit $?"
+python3 -m pip wheel -v --no-deps --no-build-isolation -w wheels mamba_ssm-*/ > mamba_ssm.log 2>&1
+echo "mamba-ssm exit $?"
+ls -la wheels
+touch done
+SH
+    setsid nohup bash "$BUILD/build.sh" > "$BUILD/build.log" 2>&1 < /dev/null &
+    echo "build started in the background: $BUILD/build.log"
+    ;;
+  collect)
+    mkdir -p "$OUT"
+    deadline=$(( $(date +%s) + ${WAIT_S:-400} ))
+    until [ -f "$BUILD/done" ] || [ "$(date +%s)" -ge "$deadline" ]; do sleep 5; done
+    cat "$BUILD/build.log"
+    (cd "$BUILD" && tar czf "$OUT/kernel_build_logs.tgz" build.log causal_conv1d.log mamba_ssm.log 2>/dev/null)
+    for whl in "$BUILD"/wheels/*.whl; do
+      [ -f "$whl" ] || continue
+      split -b 15000000 -d -a 1 "$whl" "$OUT/$(basename "$whl").part."
+    done
+    ls -la "$OUT"
+    ;;
+  *) echo "usage: $0 fetch|start|collect" >&2; exit 2 ;;
+esac
