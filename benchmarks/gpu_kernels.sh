@@ -2,8 +2,10 @@
 # The kernel options on the device machine, after Triton 3.7.1 and fla are staged into /tmp/site
 # (../shared/gpu/stage-wheels.sh) and `bash benchmarks/gpu_build_kernels.sh start` began building causal-conv1d and
 # mamba-ssm for sm_90 on the same machine:
-#   bash benchmarks/gpu_kernels.sh tests   # every GPU test while nvcc builds, then the wheels and build logs to $OUT
-#   bash benchmarks/gpu_kernels.sh mamba   # installs the built wheels; their GPU tests, the recurrent-kernel table
+#   bash benchmarks/gpu_kernels.sh all     # one call: starts the build, then both parts below
+#   bash benchmarks/gpu_kernels.sh tests   # every GPU test (while nvcc builds)
+#   bash benchmarks/gpu_kernels.sh mamba   # waits for the build (wheels and logs to $OUT), installs the wheels; their
+#                                          # GPU tests, the recurrent-kernel table
 #                                          # (docs/benchmarks/recurrent_kernels.md) and the Nemotron-H model step of
 #                                          # ours (fla; causal-conv1d + mamba-ssm) against transformers on its fast path
 set -uo pipefail
@@ -11,12 +13,19 @@ export PYTHONPATH=/tmp/site:$(ls -d "$PWD"/packages/*/src | paste -sd:)
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-case "${1:-}" in
+PART=${1:-}
+if [ "$PART" = all ]; then
+  bash benchmarks/gpu_build_kernels.sh start
+  bash "$0" tests
+  PART=mamba
+fi
+case "$PART" in
   tests)
-    timeout "${TESTS_S:-330}" bash benchmarks/gpu_tests.sh -x
-    WAIT_S=${WAIT_S:-200} bash benchmarks/gpu_build_kernels.sh collect
+    timeout "${TESTS_S:-330}" bash benchmarks/gpu_tests.sh
+    tail -3 /tmp/kernel_build/build.log 2>/dev/null
     ;;
   mamba)
+    WAIT_S=${WAIT_S:-200} bash benchmarks/gpu_build_kernels.sh collect | tail -12
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/kernel_build/wheels/*.whl \
       || exit 1
     python3 -c "import mamba_ssm, causal_conv1d; print('mamba_ssm', mamba_ssm.__version__, 'causal_conv1d', causal_conv1d.__version__)"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU session for cp-models and the performance docs, run on the device machine after Triton 3.7.1 and fla are
 # staged into /tmp/site (see ../shared/gpu/stage-wheels.sh). One part per call, each inside a 10-minute command:
-#   bash benchmarks/gpu_session_models.sh tests     # kernel agreement tests, SSD kernel choice, vision CP, loss/MoE memory
+#   bash benchmarks/gpu_session_models.sh tests     # kernel agreement tests, recurrent kernel choice, vision CP, loss/MoE memory
 #   bash benchmarks/gpu_session_models.sh layer     # loss/MoE memory alone; Mamba-2 layer speed of both CP strategies
 #   bash benchmarks/gpu_session_models.sh profile   # torch.profiler tables of the Mamba-2 layer (state passing vs a2a)
 #   bash benchmarks/gpu_session_models.sh nemotron  # Nemotron-H Nano 8l step vs transformers; Mamba layer CP speed
@@ -54,7 +54,7 @@ case "${1:-tests}" in
     timeout 330 python3 -m pytest -v -s -p no:cacheprovider --durations=0 \
       packages/cp-models/tests/test_models_qwen35_gpu.py packages/cp-models/tests/test_models_nemotron_h_gpu.py \
       2>&1 | tee "$OUT/models_gpu_tests.log" | grep -E "PASS|FAIL|ERROR|rel|moe|norm|loss|passed|failed|s call"
-    timeout 120 python3 benchmarks/ssd_kernels.py --out "$OUT" 2>&1 | tail -12
+    timeout 150 python3 benchmarks/recurrent_kernels.py --out "$OUT" 2>&1 | tail -20
     timeout 100 python3 benchmarks/vision_cp.py --out "$OUT" 2>&1 | tail -14
     timeout 100 python3 benchmarks/loss_moe_memory.py --out "$OUT" 2>&1 | tail -9  # planner parts alone (no fla)
     ;;
