@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from cp_models.common import loss_tile_shape
+from cp_models.loss import loss_tile_shape
 
 # ----------------------------------------------------------------------------------------------------------
 # Memory coefficients (calibrate these)
