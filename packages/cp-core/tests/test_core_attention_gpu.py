@@ -7,9 +7,9 @@ reference computed in fp32 from the same bf16 inputs (bf16 operands land between
 import pytest
 import torch
 
-from cp_core.attention import flash_attn_available, varlen_attn_available, varlen_causal_attention
 from cp_core.packing import cu_seqlens_from_lens
 from cp_core.testing import relative_l2
+from cp_core.varlen_attention import flash_attn_available, varlen_attn_available, varlen_causal_attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

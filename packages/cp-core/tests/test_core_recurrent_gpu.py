@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from cp_core.conv import _fla_causal_conv1d, causal_conv1d_torch
 from cp_core.gated_delta import chunk_gated_delta_rule_torch, gated_delta_rule, prepass_summary
-from cp_core.kernels import fla_available
 from cp_core.packing import build_packed_metadata
+from cp_core.recurrent_backends import fla_available
 from cp_core.ssd import chunk_ssd_torch, ssd
 from cp_core.testing import relative_l2
 

@@ -20,7 +20,7 @@ from cp_core.gated_delta import (
     gated_delta_rule_cp,
     naive_recurrent_gated_delta_rule,
 )
-from cp_core.kernels import resolve_recurrent_backend
+from cp_core.recurrent_backends import resolve_recurrent_backend
 from cp_core.ssd import chunk_ssd_torch, naive_recurrent_ssd, ssd, ssd_cp
 from cp_core.state_passing import pass_states
 from cp_core.testing import one_torch_thread, relative_max

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import Qwen3_5TextConfig
 
-from cp_core.kernels import fla_available
+from cp_core.recurrent_backends import fla_available
 from cp_core.testing import kernel_agreement, relative_l2
 from cp_models import Qwen35ForCausalLM
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cp_core.cp_attention import context_parallel_attention
+from cp_core.attention_styles import context_parallel_attention
 from cp_core.kv_gather import kv_gather_attention
 from cp_core.kv_ring import kv_ring_attention
 from cp_core.packing import PackedRowMetadata, build_packed_metadata

@@ -15,13 +15,13 @@ from typing import Literal
 
 import torch
 
-from cp_core.attention import AttentionBackend
 from cp_core.errors import ContextParallelError
 from cp_core.kv_gather import kv_gather_attention
 from cp_core.kv_ring import kv_ring_attention
 from cp_core.packing import PackedRowMetadata
 from cp_core.topology import CPTopology
 from cp_core.ulysses import check_ulysses_heads, ulysses_attention
+from cp_core.varlen_attention import AttentionBackend
 
 AttentionCPStyle = Literal["auto", "ulysses", "kv_gather", "kv_ring"]
 ATTENTION_CP_STYLES: tuple[str, ...] = ("auto", "ulysses", "kv_gather", "kv_ring")
