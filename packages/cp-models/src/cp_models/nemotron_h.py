@@ -7,7 +7,7 @@ One readable file in the manner of transformers' modeling files. Parameter names
 
 Every block is ``x + mixer(RMSNorm(x))`` with one mixer chosen by ``config.layers_block_type`` (from
 ``hybrid_override_pattern``: M = Mamba-2, * = attention, - = MLP, E = MoE). Forward takes this rank's tokens of
-one packed row and the row's global document lengths. Attention runs Ulysses or all-gathered KV
+one packed row and the row's global document lengths. Attention runs Ulysses, all-gathered or ring-passed KV
 (cp_core.context_parallel_attention, chosen by set_context_parallel_attributes). Mamba-2 runs one of two CP
 strategies, chosen per model with ``mamba_cp_style``:
 
@@ -284,7 +284,7 @@ class NemotronHMamba2Mixer(ContextParallelModule):
 
 class NemotronHAttention(ContextParallelAttention):
     """Grouped-query softmax attention without positional encoding or biases (as transformers' Nemotron-H);
-    Ulysses or all-gathered KV under CP."""
+    Ulysses, all-gathered or ring-passed KV under CP."""
 
     def __init__(self, config, attention_backend: AttentionBackend = "auto"):
         super().__init__()

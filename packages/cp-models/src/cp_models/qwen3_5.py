@@ -6,7 +6,7 @@ loads directly, and :meth:`Qwen35ForCausalLM.save_pretrained` writes one transfo
 
 Layers: Gated DeltaNet (``linear_attention``), gated softmax attention (``full_attention``), SwiGLU MLP or sparse
 MoE with a gated shared expert. Forward takes this rank's tokens of one packed row and the row's global document
-lengths; attention runs Ulysses or all-gathered KV (cp_core.context_parallel_attention, chosen by
+lengths; attention runs Ulysses, all-gathered or ring-passed KV (cp_core.context_parallel_attention, chosen by
 set_context_parallel_attributes), GDN the conv halo and state passing.
 """
 
@@ -114,8 +114,8 @@ def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
 
 
 class Qwen35Attention(ContextParallelAttention):
-    """Gated softmax attention: q_proj emits query and gate, q/k RMSNorm, partial rotary, GQA; Ulysses or
-    all-gathered KV under CP."""
+    """Gated softmax attention: q_proj emits query and gate, q/k RMSNorm, partial rotary, GQA; Ulysses,
+    all-gathered or ring-passed KV under CP."""
 
     def __init__(
         self, config, attention_backend: AttentionBackend = "auto", recurrent_backend: RecurrentBackend = "auto"
