@@ -746,6 +746,14 @@ def _input_bytes(op: str, args: tuple) -> int:
 # One rank's share without the other ranks
 
 
+def declared_version(pyproject: str | os.PathLike) -> str:
+    """The ``[project] version`` a package's pyproject.toml declares (what its ``__version__`` must say)."""
+    import tomllib
+
+    with open(pyproject, "rb") as f:
+        return tomllib.load(f)["project"]["version"]
+
+
 @contextlib.contextmanager
 def one_torch_thread():
     """torch on one intra-op thread inside the block (restored after). For test modules whose gloo workers share
