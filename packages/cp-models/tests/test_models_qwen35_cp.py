@@ -20,7 +20,7 @@ from cp_cases import (
     with_workers,
 )
 
-from cp_core import CPTopology, PackedRowMetadata
+from cp_core import ContextParallelError, CPTopology, PackedRowMetadata
 from cp_core.testing import GlooWorkers, check_cp_parity, keep_float64_, layout_cases
 from cp_models import (
     ContextParallelAttention,
@@ -372,6 +372,15 @@ def _set_cp(topology: CPTopology, config_name: str, overrides: dict, attention_c
         raise
     (style,) = {m.attention_cp_style for m in model.modules() if isinstance(m, ContextParallelAttention)}
     return style
+
+
+def test_set_context_parallel_attributes_takes_a_topology():
+    """A process group (or None) where the topology belongs gets one line naming the CPTopology to build, and
+    nothing is set."""
+    model = build_model("dense")
+    with pytest.raises(ContextParallelError, match=r"takes a cp_core.CPTopology, got NoneType: build one with"):
+        set_context_parallel_attributes(model, None)
+    assert all(m.cp_topology == CPTopology.single() for m in model.modules() if isinstance(m, ContextParallelModule))
 
 
 def _set_cp_on_transformers_model(topology: CPTopology) -> str:

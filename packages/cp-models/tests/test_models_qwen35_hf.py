@@ -429,6 +429,7 @@ def test_our_checkpoint_loads_in_transformers(moe, tied, tmp_path):
     # and back: the same checkpoint loads into ours unchanged
     again = Qwen35ForCausalLM.from_pretrained(tmp_path)
     assert again.state_dict().keys() == ours.state_dict().keys()
+    assert (again.lm_head.weight is again.model.embed_tokens.weight) == tied  # tied again after loading
     for name, t in ours.state_dict().items():
         assert torch.equal(again.state_dict()[name], t), name
 
