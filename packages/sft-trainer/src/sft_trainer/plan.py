@@ -2,7 +2,7 @@
 
 From the validated :class:`~sft_trainer.config.TrainConfig` and nothing bigger than the model's config, it reports
 
-1. per layer type: how many there are, the CP strategy at this ``cp`` (attention: Ulysses, all-gathered or ring-passed KV,
+1. per layer type: how many there are, the CP strategy at this ``cp`` (attention: Ulysses, gathered or ring-passed KV,
    ``parallel.attention_cp``), and the bytes each rank sends per row (forward + backward, the busiest rank, one
    document spanning the row), with totals, the state-passing / all-to-all / all-gather shares and the time at a
    stated NVLink bandwidth;
