@@ -4,7 +4,7 @@ saved activations (pure torch: no fla needed).
     python benchmarks/loss_moe_memory.py --out DIR          # CUDA
     uv run python benchmarks/loss_moe_memory.py --device cpu --tokens 512 --out /tmp/x   # CPU smoke run (no peaks)
 
-loss: ``cp_models.common.token_log_probs`` forward + backward on [T, hidden] bf16 states and the bf16 LM head of a
+loss: ``cp_models.loss.token_log_probs`` forward + backward on [T, hidden] bf16 states and the bf16 LM head of a
 shape (the fastest of two steps after a first); peak = max allocated during the step minus what was allocated
 before it (states, weight, its gradient), against ``sft_trainer.plan``'s loss workspace (``LOSS_COEFFICIENTS``).
 moe: one MoE block on the grouped-GEMM path (what the model runs on CUDA bf16); allocated after forward minus before
@@ -39,7 +39,7 @@ def _allocated(device: str) -> int:
 
 
 def loss_row(shape: str, tokens: int, device: str, tile: tuple[int | None, int | None] = (None, None)) -> dict:
-    from cp_models.common import loss_tile_shape, token_log_probs
+    from cp_models.loss import loss_tile_shape, token_log_probs
     from sft_trainer.plan import loss_workspace_bytes
 
     config = load_shape(shape)
@@ -97,7 +97,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--loss-tile", type=int, nargs=2, default=(None, None), metavar=("TOKENS", "VOCAB"),
-                        help="the loss's tile (default: what the models run, cp_models.common.LOSS_TILE)")  # fmt: skip
+                        help="the loss's tile (default: what the models run, cp_models.loss.LOSS_TILE)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     args = parser.parse_args()
     rows = []

@@ -127,15 +127,15 @@ def reduced_compute():
 
 def layer_bytes(config, style: str, seq_len: int, cp: int, rank: int) -> tuple[int, int]:
     """(bytes sent, collectives) by ``rank`` for one Mamba layer, forward + backward, one document of seq_len."""
-    from cp_core import build_packed_metadata
+    from cp_core import CPTopology, build_packed_metadata
     from cp_core.testing import CommCounter, fake_process_group
-    from cp_models.common import set_context_parallel_attributes
+    from cp_models import set_context_parallel_attributes
     from cp_models.nemotron_h import NemotronHMamba2Mixer
 
     with fake_process_group(rank, cp) as group:
         torch.manual_seed(0)
         mixer = NemotronHMamba2Mixer(config, recurrent_backend="torch", cp_style=style).to(torch.bfloat16)
-        set_context_parallel_attributes(mixer, group, rank, cp)
+        set_context_parallel_attributes(mixer, CPTopology.from_group(group))
         meta = build_packed_metadata([seq_len], rank, cp)
         hidden = torch.zeros(seq_len // cp, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
         with CommCounter(cp) as counter:
@@ -306,9 +306,9 @@ def _layer_share_step(config, style: str, seq_len: int, cp: int, device: str):
     """Yields forward + backward of one rank's share of one Mamba layer: the real mixer as rank min(1, cp-1) of a
     fake process group (state passing: S/cp tokens incl. halo, correction and pre/post work; a2a: in_proj/norm/
     out_proj on S/cp tokens, conv + scan on S tokens for H/cp heads). Collectives are free here."""
-    from cp_core import build_packed_metadata
+    from cp_core import CPTopology, build_packed_metadata
     from cp_core.testing import fake_process_group
-    from cp_models.common import set_context_parallel_attributes
+    from cp_models import set_context_parallel_attributes
     from cp_models.nemotron_h import NemotronHMamba2Mixer
 
     rank = min(1, cp - 1)
@@ -316,7 +316,7 @@ def _layer_share_step(config, style: str, seq_len: int, cp: int, device: str):
         torch.manual_seed(0)
         mixer = NemotronHMamba2Mixer(config, cp_style=style).to(device=device, dtype=torch.bfloat16)
         if cp > 1:
-            set_context_parallel_attributes(mixer, group, rank, cp)
+            set_context_parallel_attributes(mixer, CPTopology.from_group(group))
         meta = build_packed_metadata([seq_len], rank, cp)
         hidden = torch.randn(seq_len // cp, config.hidden_size, device=device, dtype=torch.bfloat16)
         hidden.requires_grad_(True)

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from cp_core.conv import _kernel_conv
-from cp_core.kernels import fla_available, mamba_ssm_available
 from cp_core.packing import build_packed_metadata
+from cp_core.recurrent_backends import fla_available, mamba_ssm_available
 from cp_core.ssd import ssd
 from cp_core.testing import relative_l2
 

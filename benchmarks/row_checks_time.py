@@ -24,7 +24,7 @@ import torch
 
 from cp_core import CPTopology
 from cp_core.testing import fake_process_group
-from cp_models.common import build_row_metadata, validated_row_inputs
+from cp_models.row_inputs import build_row_metadata, validated_row_inputs
 
 VOCAB = 248_320  # Qwen3.5's vocabulary
 

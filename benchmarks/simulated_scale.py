@@ -47,10 +47,11 @@ def simulated_rank(cp: int, which: str) -> int:
 @contextlib.contextmanager
 def _sharded(model, cp: int, rank: int, attention_cp: str = "auto"):
     """The model as ``rank`` of a fake group of cp ranks for the block (cp = 1: unsharded)."""
+    from cp_core import CPTopology
     from cp_models import set_context_parallel_attributes
 
     with fake_process_group(rank, cp) as group:
-        set_context_parallel_attributes(model, group, rank, cp, attention_cp_style=attention_cp)
+        set_context_parallel_attributes(model, CPTopology.from_group(group), attention_cp_style=attention_cp)
         yield
 
 

@@ -54,6 +54,7 @@ def build_model(tiny: bool, device: str):
 
 
 def one_rank(model, num_images: int, cp: int, mode: str, device: str, reps: int) -> dict:
+    from cp_core import CPTopology
     from cp_core.testing import fake_process_group
     from cp_models import set_context_parallel_attributes
 
@@ -64,7 +65,7 @@ def one_rank(model, num_images: int, cp: int, mode: str, device: str, reps: int)
     pixels = torch.randn(num_images * side * side, pixel_dim, device=device, dtype=torch.bfloat16)
     with fake_process_group(0, cp) as group:
         try:
-            set_context_parallel_attributes(model, group, 0, cp)
+            set_context_parallel_attributes(model, CPTopology.from_group(group))
             model.vision_cp = mode
             cuda = device.startswith("cuda")
             times = []

@@ -7,8 +7,9 @@ reference computed in fp32 from the same bf16 inputs (bf16 operands land between
 import pytest
 import torch
 
-from cp_core.attention import flash_attn_available, varlen_attn_available, varlen_causal_attention
 from cp_core.packing import cu_seqlens_from_lens
+from cp_core.testing import relative_l2
+from cp_core.varlen_attention import flash_attn_available, varlen_attn_available, varlen_causal_attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -17,11 +18,6 @@ LAYOUTS = {
     "tiny_and_long": [1, 2, 3, 4090],
     "many_short": [128] * 32,
 }
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
-    """||a - b|| / ||b||, the denominator at least ``floor`` (for a reference that is zero in exact arithmetic)."""
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(floor)).item()
 
 
 def _run(backend, q, k, v, cu, max_len, grad, window):
@@ -52,7 +48,7 @@ def test_fast_backend_matches_reference(backend, layout, heads, dim, window):
     ref = _run("torch", q.float(), k.float(), v.float(), cu, max(lens), grad, window)
     for name, a, b in zip(("out", "dq", "dk", "dv"), fast, ref, strict=True):
         assert torch.isfinite(a).all(), name
-        assert _rel(a, b) < 1e-2, (name, _rel(a, b))
+        assert relative_l2(a, b) < 1e-2, (name, relative_l2(a, b))
 
 
 @pytest.mark.parametrize("backend", ["varlen", "flash_attn"])
@@ -86,7 +82,7 @@ def test_fast_backend_aligns_shorter_queries_at_the_bottom_right(backend, window
     ref = run("torch", q.float(), k.float(), v.float())
     for name, a, b in zip(("out", "dq", "dk", "dv"), fast, ref, strict=True):
         assert torch.isfinite(a).all(), name
-        assert _rel(a, b) < 1e-2, (name, _rel(a, b))
+        assert relative_l2(a, b) < 1e-2, (name, relative_l2(a, b))
 
 
 RING_BLOCKS = {  # (query lengths, key lengths or None for the diagonal); max_q == 1 takes flash's swapped GQA path
@@ -129,7 +125,7 @@ def test_ring_flash_block_kernels_match_reference(block, heads, dim):
     out, lse = flash_block_forward(q, k, v, *args)
     ref_out, ref_lse = reference_block_forward(q, k, v, *args)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and lse.shape == (hq, sum(q_lens))
-    assert _rel(out, ref_out) < 1e-2, _rel(out, ref_out)
+    assert relative_l2(out, ref_out) < 1e-2, relative_l2(out, ref_out)
     assert (lse - ref_lse).abs().max().item() < 1e-2
     given = (ref_out.bfloat16(), ref_lse.float())
     fast = flash_block_backward(dout, q, k, v, *given, *args)
@@ -139,7 +135,7 @@ def test_ring_flash_block_kernels_match_reference(block, heads, dim):
         assert torch.isfinite(a).all(), name
         # a single-token document's dq is zero in exact arithmetic (its softmax is 1): both kernels leave
         # rounding noise there, so the error is measured against 1e-3 of dout's norm at the least
-        error = _rel(a, b, floor=1e-3 * dout.float().norm().item())
+        error = relative_l2(a, b, floor=1e-3 * dout.float().norm().item())
         assert error < 1e-2, (name, error)
 
 
@@ -174,4 +170,4 @@ def test_ring_attention_fast_path_on_one_rank_matches_reference():
             for tensor in compared:
                 fast, ref = results["auto"][tensor], results["torch"][tensor]
                 assert torch.isfinite(fast).all(), (name, tensor)
-                assert _rel(fast, ref) < 1e-2, (name, tensor, _rel(fast, ref))
+                assert relative_l2(fast, ref) < 1e-2, (name, tensor, relative_l2(fast, ref))

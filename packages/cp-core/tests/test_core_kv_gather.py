@@ -19,7 +19,6 @@ from cp_core import (
     resolve_attention_cp_style,
     varlen_causal_attention,
 )
-from cp_core.attention import torch_varlen_attention
 from cp_core.kv_gather import balanced_stretches, key_range, query_stretch
 from cp_core.packing import cu_seqlens_from_lens
 from cp_core.testing import (
@@ -32,6 +31,7 @@ from cp_core.testing import (
     one_torch_thread,
     random_seq_lens,
 )
+from cp_core.varlen_attention import torch_varlen_attention
 
 TOTAL = 64
 HEAD_DIM = 8

@@ -20,7 +20,6 @@ from cp_core import (
     kv_ring_attention,
     resolve_attention_cp_style,
 )
-from cp_core.attention import torch_varlen_attention
 from cp_core.kv_gather import balanced_stretches, query_stretch
 from cp_core.kv_ring import (
     REFERENCE_KERNELS,
@@ -43,6 +42,7 @@ from cp_core.testing import (
     random_seq_lens,
     saved_storages,
 )
+from cp_core.varlen_attention import torch_varlen_attention
 
 TOTAL = 64
 HEAD_DIM = 8

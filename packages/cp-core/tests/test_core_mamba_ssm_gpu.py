@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from cp_core.conv import _mamba_causal_conv1d, causal_conv1d, causal_conv1d_torch
-from cp_core.kernels import mamba_ssm_available
 from cp_core.packing import build_packed_metadata, position_ids_from_seq_lens
+from cp_core.recurrent_backends import mamba_ssm_available
 from cp_core.ssd import chunk_ssd_torch, ssd
 from cp_core.testing import relative_l2
 

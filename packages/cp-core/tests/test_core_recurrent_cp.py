@@ -18,6 +18,7 @@ from cp_core.packing import PackedRowMetadata
 from cp_core.ssd import ssd_cp
 from cp_core.state_passing import pass_states
 from cp_core.testing import (
+    CommCounter,
     GlooWorkers,
     RankFailure,
     check_cp_parity,
@@ -502,6 +503,29 @@ def test_pass_states_matches_brute_force_chain(workers, kind):
         # Something actually travelled (every layout but the shard-aligned ones chains at least one hop).
         chained = any(result["start_ranks"][r] < r for r, result in enumerate(results))
         assert chained == bool(expected.abs().sum() > 0), seq_lens
+
+
+def _pass_states_traffic(topology, seq_lens):
+    """The collectives one ``pass_states`` forward + backward issues on this rank: (op, bytes sent) each."""
+    metadata = build_packed_metadata(seq_lens, topology.rank, topology.size)
+    state = torch.randn(3, 4, 2, dtype=torch.float64, requires_grad=True)
+    transition = torch.randn(3, 4, 4, dtype=torch.float64, requires_grad=True)
+    with CommCounter(topology.size) as counter:
+        pass_states(state, transition, metadata, topology, "matrix").sum().backward()
+    return [(r.op, r.sent_bytes) for r in counter.records]
+
+
+@with_workers
+def test_pass_states_is_a_point_to_point_chain(workers):
+    """The state travels rank to rank by send / recv, nothing is all-gathered: with one document over every rank,
+    rank r receives its initial state from r - 1 and sends one state on to r + 1, and the backward sends one
+    gradient back the other way."""
+    cp = workers.world_size
+    state_bytes = 3 * 4 * 2 * 8
+    for rank, ops in enumerate(workers.run(_pass_states_traffic, [cp * 4])):
+        assert ops and all("send" in op or "recv" in op for op, _ in ops), (rank, ops)
+        sends = [sent for op, sent in ops if "send" in op]
+        assert sends == [state_bytes] * ((rank < cp - 1) + (rank > 0)), (rank, ops)
 
 
 @with_workers

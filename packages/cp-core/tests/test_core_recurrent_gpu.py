@@ -12,9 +12,10 @@ import torch.nn.functional as F
 
 from cp_core.conv import _fla_causal_conv1d, causal_conv1d_torch
 from cp_core.gated_delta import chunk_gated_delta_rule_torch, gated_delta_rule, prepass_summary
-from cp_core.kernels import fla_available
 from cp_core.packing import build_packed_metadata
+from cp_core.recurrent_backends import fla_available
 from cp_core.ssd import chunk_ssd_torch, ssd
+from cp_core.testing import relative_l2
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,10 +27,6 @@ TOL = 2e-2
 LENS = [20000, 8000, 4000, 768]  # 32k tokens, 4 documents
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-
-
 def _leaves(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: t.detach().clone().requires_grad_() for n, t in tensors.items()}
 
@@ -39,8 +36,8 @@ def _compare(name, fast_out, ref_out, fast_in, ref_in, seed=1):
     grads = [torch.randn(o.shape, device="cuda", generator=gen) for o in ref_out]
     torch.autograd.backward([o.float() for o in fast_out], grads)
     torch.autograd.backward([o.float() for o in ref_out], grads)
-    errors = {f"out{i}": _rel(f, r) for i, (f, r) in enumerate(zip(fast_out, ref_out, strict=True))}
-    errors |= {f"d{n}": _rel(fast_in[n].grad, ref_in[n].grad) for n in ref_in if ref_in[n].grad is not None}
+    errors = {f"out{i}": relative_l2(f, r) for i, (f, r) in enumerate(zip(fast_out, ref_out, strict=True))}
+    errors |= {f"d{n}": relative_l2(fast_in[n].grad, ref_in[n].grad) for n in ref_in if ref_in[n].grad is not None}
     print(f"{name}: " + ", ".join(f"{k}={v:.2e}" for k, v in errors.items()))
     bad = {k: v for k, v in errors.items() if not v < TOL}
     assert not bad, f"{name}: relative errors above {TOL}: {bad}"
@@ -96,7 +93,7 @@ def test_gated_delta_rule_identity_columns_fla_matches_torch():
         q.float(), k.float(), v.float(), g, beta.float(), seq_lens=[t], initial_state=init, qk_l2norm=True
     )
     assert ref[..., dv:].abs().max() > 1e-2, "M underflowed: the test would compare zeros"
-    errors = {"S_ext": _rel(fast[..., :dv], ref[..., :dv]), "M": _rel(fast[..., dv:], ref[..., dv:])}
+    errors = {"S_ext": relative_l2(fast[..., :dv], ref[..., :dv]), "M": relative_l2(fast[..., dv:], ref[..., dv:])}
     print("gdn identity columns: " + ", ".join(f"{k}={v:.2e}" for k, v in errors.items()))
     assert all(e < TOL for e in errors.values()), errors
 
@@ -134,9 +131,12 @@ def test_segmented_prepass_fla_matches_whole_and_torch(with_transition):
     grad = torch.randn(segmented.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
     for out in (segmented, whole, ref):
         out.backward(grad)
-    errors = {"summary": (_rel(segmented, whole), _rel(segmented, ref))}
+    errors = {"summary": (relative_l2(segmented, whole), relative_l2(segmented, ref))}
     errors |= {
-        f"d{n}": (_rel(segmented_in[n].grad, whole_in[n].grad), _rel(segmented_in[n].grad, ref_in[n].grad))
+        f"d{n}": (
+            relative_l2(segmented_in[n].grad, whole_in[n].grad),
+            relative_l2(segmented_in[n].grad, ref_in[n].grad),
+        )
         for n in ("k", "v", "a", "b")  # q only reads the state: the final state does not depend on it
     }
     print(f"segmented pre-pass (vs whole fla, vs torch), transition={with_transition}: "
@@ -271,8 +271,9 @@ def test_cp_gdn_fla_rank0_matches_the_local_run():
     q, k, v, g, beta = tensors()
     expected, _ = gated_delta_rule(q, k, v, g, beta, seq_lens=[local_t], qk_l2norm=True, backend="fla")
     expected.float().sum().backward()
-    errors = {"out": _rel(out, expected)} | {
-        f"d{name}": _rel(got, x.grad) for name, got, x in zip(("source", "a", "b"), cp_grads, leaves, strict=True)
+    errors = {"out": relative_l2(out, expected)} | {
+        f"d{name}": relative_l2(got, x.grad)
+        for name, got, x in zip(("source", "a", "b"), cp_grads, leaves, strict=True)
     }
     bitwise = torch.equal(out, expected) and all(torch.equal(c, x.grad) for c, x in zip(cp_grads, leaves, strict=True))
     print(f"cp gdn rank 0 vs local (bitwise {bitwise}): " + ", ".join(f"{n}={e:.2e}" for n, e in errors.items()))

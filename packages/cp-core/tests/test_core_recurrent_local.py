@@ -20,10 +20,10 @@ from cp_core.gated_delta import (
     gated_delta_rule_cp,
     naive_recurrent_gated_delta_rule,
 )
-from cp_core.kernels import resolve_recurrent_backend
+from cp_core.recurrent_backends import resolve_recurrent_backend
 from cp_core.ssd import chunk_ssd_torch, naive_recurrent_ssd, ssd, ssd_cp
 from cp_core.state_passing import pass_states
-from cp_core.testing import one_torch_thread
+from cp_core.testing import one_torch_thread, relative_max
 
 # Documents of 1-3 tokens; one document longer than every chunk size below 64 and not a multiple of 4 or 8;
 # a mix with lengths that are and are not multiples of the chunk size; a document longer than 64.
@@ -49,11 +49,6 @@ def randn(*shape: int, seed: int, dtype: torch.dtype = torch.float64) -> torch.T
 
 def max_abs(got: torch.Tensor, expected: torch.Tensor) -> float:
     return (got.double() - expected.double()).abs().max().item()
-
-
-def max_rel(got: torch.Tensor, expected: torch.Tensor) -> float:
-    """``max |got - expected| / max |expected|``, the error relative to the tensor's scale."""
-    return max_abs(got, expected) / expected.double().abs().max().item()
 
 
 def grads_of(fn, inputs: dict[str, torch.Tensor], seed: int) -> tuple[tuple[torch.Tensor, ...], dict]:
@@ -108,10 +103,10 @@ def test_chunk_ssd_matches_naive_fp32(chunk_size):
         assert y.dtype == torch.float32
         # The truth: the per-token recurrence on the same (fp32-rounded) values, in fp64.
         y_ref, s_ref = naive_recurrent_ssd(**{n: t.double() for n, t in inputs.items()}, seq_lens=seq_lens)
-        assert max_rel(y, y_ref) < 1e-5, layout
-        assert max_rel(s, s_ref) < 1e-5, layout
+        assert relative_max(y, y_ref) < 1e-5, layout
+        assert relative_max(s, s_ref) < 1e-5, layout
         y_naive32, _ = naive_recurrent_ssd(**inputs, seq_lens=seq_lens)
-        assert max_rel(y, y_naive32) < 1e-5, layout
+        assert relative_max(y, y_naive32) < 1e-5, layout
 
 
 @pytest.mark.parametrize("chunk_size", CHUNK_SIZES)
@@ -133,7 +128,7 @@ def test_chunk_ssd_gradients_match_naive_fp64(layout, chunk_size):
     for name, grad in grads.items():
         assert grad is not None and grads_ref[name] is not None, name
         assert grad.abs().max() > 0, name
-        assert max_rel(grad, grads_ref[name]) < 1e-9, (name, max_rel(grad, grads_ref[name]))
+        assert relative_max(grad, grads_ref[name]) < 1e-9, (name, relative_max(grad, grads_ref[name]))
 
 
 def test_ssd_recurrence_by_hand():
@@ -215,8 +210,8 @@ def test_chunk_gated_delta_matches_naive_fp32(chunk_size):
         assert o.dtype == torch.float32
         o_ref, s_ref = naive_recurrent_gated_delta_rule(**{n: t.double() for n, t in inputs.items()}, **options)
         context = (layout, ratio, l2, scale, initial)
-        assert max_rel(o, o_ref) < 1e-5, (context, max_rel(o, o_ref))
-        assert max_rel(s, s_ref) < 1e-5, (context, max_rel(s, s_ref))
+        assert relative_max(o, o_ref) < 1e-5, (context, relative_max(o, o_ref))
+        assert relative_max(s, s_ref) < 1e-5, (context, relative_max(s, s_ref))
 
 
 @pytest.mark.parametrize("chunk_size", CHUNK_SIZES)
@@ -241,7 +236,7 @@ def test_chunk_gated_delta_gradients_match_naive_fp64(layout, chunk_size):
         for name, grad in grads.items():
             assert grad is not None and grads_ref[name] is not None, (context, name)
             assert grad.abs().max() > 0, (context, name)
-            assert max_rel(grad, grads_ref[name]) < 1e-9, (context, name, max_rel(grad, grads_ref[name]))
+            assert relative_max(grad, grads_ref[name]) < 1e-9, (context, name, relative_max(grad, grads_ref[name]))
 
 
 def test_gated_delta_rule_by_hand():
@@ -301,7 +296,7 @@ def test_causal_conv_matches_naive(width, with_bias, activation):
         assert y.shape == (t, channels)
         assert max_abs(y, y_ref) < 1e-12, layout
         for name, grad in grads.items():
-            assert max_rel(grad, grads_ref[name]) < 1e-12, (layout, name)
+            assert relative_max(grad, grads_ref[name]) < 1e-12, (layout, name)
 
 
 def test_causal_conv_by_hand():

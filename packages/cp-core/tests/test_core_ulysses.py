@@ -23,7 +23,6 @@ from cp_core import (
     ulysses_attention,
     varlen_causal_attention,
 )
-from cp_core.attention import torch_varlen_attention
 from cp_core.packing import PackedRowMetadata
 from cp_core.testing import (
     GlooWorkers,
@@ -33,6 +32,7 @@ from cp_core.testing import (
     one_torch_thread,
     random_seq_lens,
 )
+from cp_core.varlen_attention import torch_varlen_attention
 
 TOTAL = 64
 HEAD_DIM = 8

@@ -9,12 +9,9 @@ import torch
 import torch.nn as nn
 from transformers import NemotronHConfig
 
+from cp_core.testing import relative_l2
 from cp_models.nemotron_h import NemotronHMLP
 from cp_models.qwen3_5 import Qwen35MLP
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def _qwen_mlp(bias: bool) -> tuple[nn.Module, int]:
@@ -77,11 +74,11 @@ def test_recomputing_mlp_matches_the_plain_expression(build, bias, dtype):
     # The same ops in the same order as autograd (bitwise equal on the CPUs tried); the bound leaves room only for
     # a BLAS that blocks the flattened weight-gradient matmul differently.
     tol = {torch.float64: 1e-15, torch.float32: 1e-7, torch.bfloat16: 4e-3}[dtype]
-    assert rel_err(out, ref_out) <= tol
+    assert relative_l2(out, ref_out) <= tol
     assert len(grads) == len(ref_grads) == 1 + len(list(mlp.parameters()))
     for got, want in zip(grads, ref_grads, strict=True):
         assert got.dtype == want.dtype and got.shape == want.shape
-        assert rel_err(got, want) <= tol, rel_err(got, want)
+        assert relative_l2(got, want) <= tol, relative_l2(got, want)
 
 
 @BUILDERS
@@ -136,9 +133,9 @@ def test_frozen_down_proj_and_no_grad(build, bias):
     n_down = len(list(mlp.down_proj.parameters()))
     kept = [g for g, p in zip(full[1:], mlp.parameters(), strict=True) if p.requires_grad]
     assert len(partial) == len(full) - n_down
-    assert rel_err(partial[0], full[0]) < 1e-15
+    assert relative_l2(partial[0], full[0]) < 1e-15
     for got, want in zip(partial[1:], kept, strict=True):
-        assert rel_err(got, want) < 1e-15
+        assert relative_l2(got, want) < 1e-15
     with torch.no_grad():
         assert torch.equal(mlp(x), mlp.reference(x))
 
@@ -195,7 +192,7 @@ def test_recomputing_mlp_under_activation_checkpointing(build, bias, early_stop)
         _, grads = _grads(mlp, lambda inp: inp + checkpoint(mlp, inp, use_reentrant=False), x, upstream)
     _, ref_grads = _grads(mlp, lambda inp: inp + mlp.reference(inp), x, upstream)
     for got, want in zip(grads, ref_grads, strict=True):
-        assert rel_err(got, want) <= 1e-15
+        assert relative_l2(got, want) <= 1e-15
 
 
 @pytest.mark.gpu
@@ -211,9 +208,9 @@ def test_recomputing_swiglu_on_cuda_bf16_keeps_half_and_matches():
     upstream = torch.randn(1, tokens, hidden, generator=gen, device="cuda", dtype=torch.bfloat16)
     out, grads = _grads(mlp, mlp, x, upstream)
     ref_out, ref_grads = _grads(mlp, mlp.reference, x, upstream)
-    assert rel_err(out, ref_out) <= 4e-3
+    assert relative_l2(out, ref_out) <= 4e-3
     for got, want in zip(grads, ref_grads, strict=True):
-        assert rel_err(got, want) <= 4e-3, rel_err(got, want)
+        assert relative_l2(got, want) <= 4e-3, relative_l2(got, want)
 
     def kept(fn) -> int:
         inp = x.detach().requires_grad_()

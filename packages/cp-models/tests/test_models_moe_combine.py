@@ -9,13 +9,10 @@ import torch
 import torch.nn.functional as F
 from transformers import NemotronHConfig, Qwen3_5MoeTextConfig
 
-from cp_models.common import combine_expert_outputs
+from cp_core.testing import relative_l2
+from cp_models.feed_forward import combine_expert_outputs
 from cp_models.nemotron_h import NemotronHExperts
 from cp_models.qwen3_5 import Qwen35Experts
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 @pytest.mark.parametrize(
@@ -41,9 +38,9 @@ def test_combine_expert_outputs_matches_index_add(weights_dtype, outputs_dtype):
     ref = torch.zeros(tokens, dim, dtype=torch.float64).index_add_(0, token, sorted_outputs.double() * flat_weights)
     ref_grads = torch.autograd.grad((ref * upstream).sum(), [sorted_outputs, weights])
     tol = 1e-12 if outputs_dtype == torch.float64 else 1e-6  # fp32 accumulation of bf16 outputs and fp32 weights
-    assert rel_err(got, ref) < tol
+    assert relative_l2(got, ref) < tol
     for a, b in zip(got_grads, ref_grads, strict=True):
-        assert a.dtype == b.dtype and rel_err(a, b) < tol
+        assert a.dtype == b.dtype and relative_l2(a, b) < tol
 
 
 def _qwen_experts():
@@ -75,4 +72,4 @@ def test_grouped_expert_path_matches_the_loop(build):
         out = path(x, experts, weights)
         results.append([out, *torch.autograd.grad((out * upstream).sum(), inputs)])
     for a, b in zip(*results, strict=True):
-        assert rel_err(a, b) < 1e-5
+        assert relative_l2(a, b) < 1e-5

@@ -12,7 +12,15 @@ import random
 
 import pytest
 import torch
-import torch.distributed as dist
+from cp_cases import (
+    SEQ_DIMS,
+    TOTAL,
+    VOCAB,
+    assert_every_rank_raises,
+    make_inputs,
+    plain_name,
+    with_workers,
+)
 from nemotron_h_dt import draw_dt_bias
 from transformers import NemotronHConfig
 
@@ -21,10 +29,8 @@ from cp_core.head_parallel import check_head_parallel, local_groups, local_heads
 from cp_core.testing import (
     CommCounter,
     GlooWorkers,
-    RankFailure,
     check_cp_parity,
     layout_cases,
-    one_torch_thread,
     random_seq_lens,
 )
 from cp_models import (
@@ -35,26 +41,14 @@ from cp_models import (
     set_context_parallel_attributes,
 )
 from cp_models.nemotron_h import NemotronHMamba2Mixer
+from cp_models.presets import tiny_nemotron_h_config
 
-CP_SIZES = (2, 4)
-TOTAL = {2: 48, 4: 64}  # row length per CP size: 24 and 16 tokens a rank
-VOCAB = 64
-IGNORE = -100
+pytestmark = pytest.mark.usefixtures("one_thread")
 STYLES = ("state_passing", "a2a")
 
-_COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    num_attention_heads=4,
-    num_key_value_heads=2,  # cp=2 splits the KV heads, cp=4 replicates each twice
-    head_dim=8,
-    intermediate_size=48,
-    mamba_num_heads=8,
-    mamba_head_dim=4,
-    ssm_state_size=8,
-    conv_kernel=4,
-    layer_norm_epsilon=1e-5,
-)
+# Overrides of the tiny preset (cp_models.presets.TINY_NEMOTRON_H): narrower; attention 4 query / 2 KV heads (cp=2
+# splits the KV heads, cp=4 replicates each twice).
+_COMMON = dict(hidden_size=32, head_dim=8, intermediate_size=48, mamba_head_dim=4, ssm_state_size=8)
 
 CONFIGS = {
     # Mamba, attention, Mamba, MLP; 2 B/C groups: a2a splits them at cp=2 and replicates each twice at cp=4.
@@ -83,7 +77,7 @@ CONFIGS = {
 
 
 def make_config(name: str, **overrides) -> NemotronHConfig:
-    return NemotronHConfig(**{**CONFIGS[name], **overrides})
+    return tiny_nemotron_h_config(VOCAB, **{**CONFIGS[name], **overrides})
 
 
 @torch.no_grad()
@@ -137,9 +131,7 @@ def lm_case(
     checkpoint_after: bool = False,
     attention_cp_style: str = "auto",
 ) -> torch.Tensor:
-    set_context_parallel_attributes(
-        module, topology.group, topology.rank, topology.size, attention_cp_style=attention_cp_style
-    )
+    set_context_parallel_attributes(module, topology, attention_cp_style=attention_cp_style)
     if attention_cp_style != "auto" and topology.size > 1:
         assert {m.attention_cp_style for m in module.modules() if isinstance(m, ContextParallelAttention)} == {
             attention_cp_style
@@ -161,35 +153,9 @@ def lm_case(
     return getattr(out, output)
 
 
-def make_inputs(total: int, seed: int) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, VOCAB, (total,), generator=generator)
-    labels = torch.randint(0, VOCAB, (total,), generator=generator)
-    labels[torch.rand(total, generator=generator) < 0.15] = IGNORE
-    return {"input_ids": input_ids, "labels": labels}
-
-
-SEQ_DIMS = {"input_ids": 0, "labels": 0}
-
 # --------------------------------------------------------------------------------------------------------
 # Pools and bookkeeping
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # The gloo workers share the 2 cores with this process; OpenMP spinning in here would starve them.
-    with one_torch_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def workers(request):
-    """One pool per CP size for the whole module (tests pick the size by indirect parametrization)."""
-    with GlooWorkers(request.param, timeout_s=180, collective_timeout_s=60) as pool:
-        yield pool
-
-
-with_workers = pytest.mark.parametrize("workers", CP_SIZES, indirect=True, ids=lambda cp: f"cp{cp}")
 
 WORST: dict[str, tuple[float, str]] = {}  # largest relative difference per variant (printed with -s)
 
@@ -265,7 +231,7 @@ def run_variant(workers: GlooWorkers, variant: str, style: str) -> None:
             module_factory=factory,
             seed=seed,
         )
-        got = {n.replace("._checkpoint_wrapped_module", "") for n in report.relative}
+        got = {plain_name(n) for n in report.relative}
         assert got == expected, sorted(got ^ expected)  # the output and every parameter's gradient
         name, rel = report.worst
         key = f"{variant} {style} cp{cp}"
@@ -287,7 +253,7 @@ def test_nemotron_h_cp_parity(workers, variant, style):
 
 def _mamba_without_cp_case(module, metadata, topology, *, input_ids, labels):
     """Deliberately wrong CP: Mamba layers left unsharded (no conv halo, no state passing; each shard restarts)."""
-    set_context_parallel_attributes(module, topology.group, topology.rank, topology.size)
+    set_context_parallel_attributes(module, topology)
     for layer in module.modules():
         if isinstance(layer, NemotronHMamba2Mixer):
             layer.cp_topology = CPTopology.single()
@@ -297,7 +263,7 @@ def _mamba_without_cp_case(module, metadata, topology, *, input_ids, labels):
 def _a2a_local_boundaries_case(module, metadata, topology, *, input_ids, labels):
     """Deliberately wrong a2a: the full-row conv and scan restart at every shard cut, as if each shard's
     documents were the row's (the mistake of reusing this rank's local boundaries after the all-to-all)."""
-    set_context_parallel_attributes(module, topology.group, topology.rank, topology.size)
+    set_context_parallel_attributes(module, topology)
     cut = tuple(
         n
         for rank in range(metadata.cp_size)
@@ -346,7 +312,7 @@ def test_strategies_agree_unsharded_and_checkpointing_changes_nothing():
     for style, checkpointing in (("state_passing", False), ("a2a", False), ("a2a", True)):
         torch.manual_seed(0)
         model = build_model("moe_groups1", style, checkpointing=checkpointing)
-        set_context_parallel_attributes(model, None, 0, 1)
+        set_context_parallel_attributes(model, CPTopology.single())
         out = model(inputs["input_ids"], [10, 2, 20], labels=inputs["labels"]).token_log_probs
         out.sum().backward()
         grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()}
@@ -367,7 +333,7 @@ def _mamba_layer_bytes(topology: CPTopology, config_name: str, style: str, seq_l
     """Bytes this rank sends for one Mamba layer, forward and backward (fp32)."""
     torch.manual_seed(0)
     model = build_model(config_name, style)
-    set_context_parallel_attributes(model, topology.group, topology.rank, topology.size)
+    set_context_parallel_attributes(model, topology)
     mixer = model.model.layers[0].mixer
     assert isinstance(mixer, NemotronHMamba2Mixer)
     local = sum(seq_lens) // topology.size
@@ -417,33 +383,12 @@ def _set_cp(
     """set_context_parallel_attributes on a model with these overrides; on error, prove nothing was half-set."""
     model = build_model(config_name, style, **overrides)
     try:
-        set_context_parallel_attributes(
-            model, topology.group, topology.rank, topology.size, attention_cp_style=attention_cp_style
-        )
+        set_context_parallel_attributes(model, topology, attention_cp_style=attention_cp_style)
     except Exception:
         layers = [m for m in model.modules() if isinstance(m, ContextParallelModule)]
         assert layers and all(m.cp_topology.size == 1 for m in layers), "layers configured before the error"
         raise
     return "ok"
-
-
-def _all_reduce_ranks(topology: CPTopology) -> int:
-    value = torch.tensor([float(topology.rank)])
-    dist.all_reduce(value, group=topology.group)
-    return int(value.item())
-
-
-def assert_every_rank_raises(workers: GlooWorkers, fn, *args, must_name: list[str]) -> None:
-    results = workers.run_collect(fn, *args, timeout_s=60)
-    assert len(results) == workers.world_size
-    for rank, result in enumerate(results):
-        assert isinstance(result, RankFailure), f"rank {rank} did not raise: {result!r}"
-        assert result.type_name == "ContextParallelError", f"rank {rank}: {result.type_name}: {result.message}"
-        for text in must_name:
-            assert text in result.message, f"rank {rank}: {text!r} not in {result.message!r}"
-    assert len({r.message for r in results}) == 1, [r.message for r in results]
-    cp = workers.world_size  # the group is still in step: nobody was left inside a collective
-    assert workers.run(_all_reduce_ranks, timeout_s=60) == [sum(range(cp))] * cp
 
 
 def test_head_parallel_rules_and_ranges():
@@ -493,7 +438,7 @@ def _forward_with_bad_input(topology: CPTopology, style: str, bad_ranks: tuple[i
     torch.manual_seed(0)
     local = 8
     model = build_model("hybrid", style)
-    set_context_parallel_attributes(model, topology.group, topology.rank, topology.size)
+    set_context_parallel_attributes(model, topology)
     ids = torch.randint(0, VOCAB, (local,))
     kwargs: dict = {"labels": ids.clone()}
     if topology.rank in bad_ranks and what == "position_ids":

@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import NemotronHConfig
 
-from cp_core.kernels import fla_available, mamba_ssm_available
+from cp_core.recurrent_backends import fla_available, mamba_ssm_available
 from cp_core.testing import kernel_agreement, relative_l2
 from cp_models import NemotronHForCausalLM
 

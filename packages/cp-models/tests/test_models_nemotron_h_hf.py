@@ -22,8 +22,9 @@ from transformers import NemotronHForCausalLM as HFNemotronH
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHTopkRouter as HFRouter
 
 from cp_core import ContextParallelError
+from cp_core.testing import relative_max
 from cp_models import NemotronHForCausalLM, apply_activation_checkpointing, load_nemotron_h_config
-from cp_models.common import read_safetensors, write_safetensors
+from cp_models.hf_checkpoint import read_safetensors, write_safetensors
 from cp_models.nemotron_h import (
     _ACTIVATIONS,
     NemotronHExperts,
@@ -31,28 +32,21 @@ from cp_models.nemotron_h import (
     NemotronHTopkRouter,
     _activation,
 )
+from cp_models.presets import tiny_nemotron_h_config
 
 TOL = 1e-5  # relative: max |ours - ref| / max |ref|, for logits and log-probs
 GRAD_TOL = 5e-5  # parameter gradients, packed row vs the sum over documents (observed <= 3.3e-5, on A_log)
 
-BASE = dict(
+BASE = dict(  # overrides of the tiny Nemotron-H preset (cp_models.presets.TINY_NEMOTRON_H)
     vocab_size=80,
     hidden_size=32,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     head_dim=8,
     intermediate_size=48,
     mamba_num_heads=4,
-    mamba_head_dim=8,
     ssm_state_size=8,
-    n_groups=2,
-    conv_kernel=4,
     chunk_size=16,  # transformers' chunked scan: documents above 16 tokens cross its chunks
-    n_routed_experts=4,
-    num_experts_per_tok=2,
     moe_intermediate_size=16,
     moe_shared_expert_intermediate_size=24,
-    layer_norm_epsilon=1e-5,
 )
 
 # name -> (config overrides, packed document lengths). Every row holds documents shorter than the conv width (4).
@@ -102,7 +96,7 @@ _WORST: dict[str, float] = {}  # largest relative error seen per kind, printed w
 
 
 def make_config(**overrides) -> NemotronHConfig:
-    return NemotronHConfig(**{**BASE, **overrides})
+    return tiny_nemotron_h_config(**{**BASE, **overrides})
 
 
 @torch.no_grad()
@@ -147,12 +141,6 @@ def follow_configured_time_step_limit_(hf: HFNemotronH) -> None:
         for module in hf.modules():
             if hasattr(module, "time_step_limit"):
                 module.time_step_limit = tuple(hf.config.time_step_limit)
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    ref_max = ref.abs().max().item()
-    diff = (ours.double() - ref.double()).abs().max().item()
-    return diff / ref_max if ref_max else diff
 
 
 def record(kind: str, err: float) -> None:
@@ -200,7 +188,7 @@ def test_parity_with_transformers(case, tmp_path):
 
     for part in doc_slices(seq_lens):
         ref = hf(input_ids=ids[None, part], use_cache=False).logits[0]
-        err = rel_err(out.logits[part].detach(), ref.detach())
+        err = relative_max(out.logits[part].detach(), ref.detach())
         record("logits", err)
         assert err < TOL, f"logits of document {part}: relative error {err:.2e}"
         (ref * weights[part]).sum().backward()
@@ -210,7 +198,7 @@ def test_parity_with_transformers(case, tmp_path):
     errors = {}
     for name, grad in our_grads.items():
         assert grad is not None and ref_grads[name] is not None, name
-        errors[name] = rel_err(grad, ref_grads[name])
+        errors[name] = relative_max(grad, ref_grads[name])
         record("grads", errors[name])
     bad = {n: e for n, e in errors.items() if e > GRAD_TOL}
     assert not bad, f"gradients differ: {bad}"
@@ -233,13 +221,13 @@ def _clamp_errors(ours, hf, ids, seq_lens, weights) -> dict[str, float]:
     errors = {"logits": 0.0}
     for part in doc_slices(seq_lens):
         ref = hf(input_ids=ids[None, part], use_cache=False).logits[0]
-        errors["logits"] = max(errors["logits"], rel_err(out.logits[part].detach(), ref.detach()))
+        errors["logits"] = max(errors["logits"], relative_max(out.logits[part].detach(), ref.detach()))
         (ref * weights[part]).sum().backward()
     hf_params = dict(hf.named_parameters())
     for name, p in ours.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
         if leaf in ("dt_bias", "A_log"):
-            errors[leaf] = max(errors.get(leaf, 0.0), rel_err(p.grad, hf_params[name].grad))
+            errors[leaf] = max(errors.get(leaf, 0.0), relative_max(p.grad, hf_params[name].grad))
     return errors
 
 
@@ -286,8 +274,8 @@ def test_packed_documents_stay_apart(tmp_path):
         alone = ours(doc, [9]).logits
         packed = ours(torch.cat([other, doc]), [13, 9]).logits[13:]
         joined = ours(torch.cat([other, doc]), [22]).logits[13:]
-    assert rel_err(packed, alone) < TOL
-    assert rel_err(joined, alone) > 1e-2  # without the boundary the first document leaks into the second
+    assert relative_max(packed, alone) < TOL
+    assert relative_max(joined, alone) > 1e-2  # without the boundary the first document leaks into the second
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -313,13 +301,13 @@ def test_model_token_log_probs_match_logits(chunk_size, tmp_path):
 
     full = ours(ids, seq_lens, labels=labels, return_logits=True)
     ref = torch.log_softmax(full.logits, -1).gather(1, labels.clamp_min(0)[:, None]).squeeze(1) * (labels >= 0)
-    err = rel_err(out.token_log_probs.detach(), ref.detach())
+    err = relative_max(out.token_log_probs.detach(), ref.detach())
     record("token_log_probs", err)
     assert err < TOL
     assert (out.token_log_probs[labels < 0] == 0).all()
     (ref * upstream).sum().backward()
     for name, p in ours.named_parameters():
-        assert rel_err(got[name], p.grad) < TOL, name
+        assert relative_max(got[name], p.grad) < TOL, name
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -357,7 +345,7 @@ def test_our_checkpoint_loads_in_transformers(pattern, tmp_path):
     with torch.no_grad():
         got = ours(ids, seq_lens).logits
         for part in doc_slices(seq_lens):
-            err = rel_err(got[part], hf(input_ids=ids[None, part], use_cache=False).logits[0])
+            err = relative_max(got[part], hf(input_ids=ids[None, part], use_cache=False).logits[0])
             record("logits", err)
             assert err < TOL
 
@@ -371,6 +359,16 @@ def test_our_checkpoint_loads_in_transformers(pattern, tmp_path):
     reloaded = NemotronHForCausalLM.from_pretrained(tmp_path / "given")
     for name, t in doubled.items():
         assert torch.equal(reloaded.state_dict()[name], t), name
+
+
+def test_save_pretrained_leaves_the_model_config_unchanged(tmp_path):
+    ours = _our_model(make_config(hybrid_override_pattern="M*-"), seed=24)
+    before = ours.config.to_dict()
+    ours.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())["architectures"]
+    assert written == ["NemotronHForCausalLM"]
+    assert before["architectures"] != written  # the file names the class; the model's own config stays as given
+    assert ours.config.to_dict() == before
 
 
 def test_in_memory_layout_sharded_and_mtp_checkpoints_load(tmp_path):
@@ -498,13 +496,13 @@ def test_experts_looped_matches_naive():
     chosen = torch.stack([first, (first + torch.randint(1, 5, (13,), generator=gen)) % 5], dim=1)  # 5 gets none
     looped = experts(x, chosen, weights)
     naive = _naive_experts(experts, x, chosen, weights)
-    assert rel_err(looped.detach(), naive.detach()) < 1e-6
+    assert relative_max(looped.detach(), naive.detach()) < 1e-6
     params = [x, experts.up_proj, experts.down_proj, router.weight]
     upstream = torch.randn_like(looped)
     got = torch.autograd.grad((looped * upstream).sum(), params, retain_graph=True)
     ref = torch.autograd.grad((naive * upstream).sum(), params)
     for a, b in zip(got, ref, strict=True):
-        assert rel_err(a, b) < 1e-6
+        assert relative_max(a, b) < 1e-6
     assert (got[1][5] == 0).all() and (got[2][5] == 0).all()
 
 
@@ -567,7 +565,7 @@ def test_activation_checkpointing_same_logits_and_grads(tmp_path):
     assert torch.equal(logits[1], logits[0])
     assert grads[0].keys() == grads[1].keys()
     for name, g in grads[0].items():
-        assert rel_err(grads[1][name], g) <= 1e-6, name
+        assert relative_max(grads[1][name], g) <= 1e-6, name
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -592,7 +590,7 @@ def test_bad_forward_arguments_raise(small_model):
         small_model(ids, [8], position_ids=torch.arange(7))
     with pytest.raises(ContextParallelError, match="labels"):
         small_model(ids, [8], labels=torch.zeros(7, dtype=torch.long))
-    # the shared row checks (cp_models.common.check_row_inputs, tested in full with Qwen3.5) run here too
+    # the shared row checks (cp_models.row_inputs.check_row_inputs, tested in full with Qwen3.5) run here too
     with pytest.raises(ContextParallelError, match="inputs_embeds has batch size 2"):
         small_model(None, [8], inputs_embeds=small_model.model.embeddings(ids).detach().expand(2, -1, -1))
     with pytest.raises(ContextParallelError, match="seq_lens sum to 9 tokens but this rank holds 8"):

@@ -10,11 +10,18 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
-from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+from cp_cases import (
+    SEQ_DIMS,
+    TOTAL,
+    VOCAB,
+    assert_every_rank_raises,
+    make_inputs,
+    plain_name,
+    with_workers,
+)
 
-from cp_core import CPTopology, PackedRowMetadata
-from cp_core.testing import GlooWorkers, RankFailure, check_cp_parity, keep_float64_, layout_cases, one_torch_thread
+from cp_core import ContextParallelError, CPTopology, PackedRowMetadata
+from cp_core.testing import GlooWorkers, check_cp_parity, keep_float64_, layout_cases
 from cp_models import (
     ContextParallelAttention,
     ContextParallelModule,
@@ -22,66 +29,43 @@ from cp_models import (
     apply_activation_checkpointing,
     set_context_parallel_attributes,
 )
+from cp_models.presets import tiny_qwen35_config, tiny_qwen35_moe_config
 from cp_models.qwen3_5 import Qwen35DecoderLayer, Qwen35GatedDeltaNet
 
-CP_SIZES = (2, 4)
-TOTAL = {2: 48, 4: 64}  # row length per CP size: 24 and 16 tokens a rank
-VOCAB = 64
-IGNORE = -100
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # --------------------------------------------------------------------------------------------------------
 # Tiny configs (module level: the workers rebuild the same models from these names)
 
-_COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    num_attention_heads=4,
-    num_key_value_heads=2,  # cp=2 splits the KV heads, cp=4 replicates each twice
-    head_dim=16,
-    linear_conv_kernel_dim=4,
-    linear_key_head_dim=8,
-    linear_value_head_dim=8,
-    linear_num_key_heads=2,
-    linear_num_value_heads=2,
-    rms_norm_eps=1e-6,
-)
+# Overrides of the tiny presets (cp_models.presets): narrower, and 4 query / 2 KV heads (cp=2 splits the KV heads,
+# cp=4 replicates each twice).
+_SMALL = dict(hidden_size=32, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_value_heads=2)
 
 CONFIGS = {
     # 4 layers, the default pattern: 3 GDN layers, then full attention.
-    "dense": (Qwen3_5TextConfig, dict(_COMMON, num_hidden_layers=4, intermediate_size=64)),
+    "dense": (tiny_qwen35_config, dict(_SMALL, intermediate_size=64, tie_word_embeddings=False)),
     # GDN with twice as many value heads as key heads (q/k heads repeated), tied embeddings.
-    "dense_gdn_v2x_tied": (
-        Qwen3_5TextConfig,
-        dict(
-            _COMMON,
-            num_hidden_layers=4,
-            intermediate_size=64,
-            linear_num_value_heads=4,
-            tie_word_embeddings=True,
-        ),
-    ),
+    "dense_gdn_v2x_tied": (tiny_qwen35_config, dict(_SMALL, intermediate_size=64, linear_num_value_heads=4)),
     # Sparse MoE (4 experts, top-2, gated shared expert) on a GDN and an attention layer; one KV head (replicated
     # to every rank under Ulysses), GDN value heads 2x key heads.
     "moe": (
-        Qwen3_5MoeTextConfig,
+        tiny_qwen35_moe_config,
         dict(
-            _COMMON,
+            _SMALL,
             num_hidden_layers=2,
             layer_types=["linear_attention", "full_attention"],
             num_key_value_heads=1,
             linear_num_value_heads=4,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=16,
             shared_expert_intermediate_size=16,
+            tie_word_embeddings=False,
         ),
     ),
 }
 
 
 def make_config(name: str, **overrides):
-    config_cls, kwargs = CONFIGS[name]
-    return config_cls(**{**kwargs, **overrides})
+    preset, kwargs = CONFIGS[name]
+    return preset(VOCAB, **{**kwargs, **overrides})
 
 
 @torch.no_grad()
@@ -143,9 +127,7 @@ def lm_case(
     attention_cp_style: str = "auto",
     expect_attention: str | dict[int, str] = "ulysses",
 ) -> torch.Tensor:
-    set_context_parallel_attributes(
-        module, topology.group, topology.rank, topology.size, attention_cp_style=attention_cp_style
-    )
+    set_context_parallel_attributes(module, topology, attention_cp_style=attention_cp_style)
     if topology.size > 1:  # the strategy each attention layer resolved to
         attention = [m for m in module.modules() if isinstance(m, ContextParallelAttention)]
         expected = expect_attention if isinstance(expect_attention, str) else expect_attention[topology.size]
@@ -166,37 +148,9 @@ def lm_case(
     return getattr(out, output)
 
 
-def make_inputs(total: int, seed: int) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, VOCAB, (total,), generator=generator)
-    labels = torch.randint(0, VOCAB, (total,), generator=generator)
-    labels[torch.rand(total, generator=generator) < 0.15] = IGNORE  # some ignored targets
-    return {"input_ids": input_ids, "labels": labels}
-
-
-SEQ_DIMS = {"input_ids": 0, "labels": 0}
-
 # --------------------------------------------------------------------------------------------------------
 # Pools and bookkeeping
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # The gloo workers share the 2 cores with this process; OpenMP spinning in here would starve them.
-    with one_torch_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def workers(request):
-    """One pool per CP size for the whole module (tests pick the size by indirect parametrization)."""
-    with GlooWorkers(request.param, timeout_s=180, collective_timeout_s=60) as pool:
-        yield pool
-
-
-# One parametrize of the pool shared by every test: pytest keys a parametrized fixture by the index of its value in
-# the parameter list, so the pool of each size is spawned once for the module.
-with_workers = pytest.mark.parametrize("workers", CP_SIZES, indirect=True, ids=lambda cp: f"cp{cp}")
 
 # Largest relative difference seen per variant and tensor kind (printed at module teardown with -s).
 WORST: dict[str, dict[str, tuple[float, str]]] = {}
@@ -280,11 +234,6 @@ FP32_BEHIND_GDN_RTOL = 1e-4
 FP64_RTOL = 1e-10
 
 
-def plain_name(name: str) -> str:
-    """A report name without activation-checkpoint wrappers."""
-    return name.replace("._checkpoint_wrapped_module", "")
-
-
 def params_behind_gdn(model: Qwen35ForCausalLM) -> set[str]:
     """Report names (``grad.param.*``, without checkpoint wrappers) of the parameters whose gradient flows back
     through a GDN layer."""
@@ -358,7 +307,7 @@ def test_qwen35_cp_parity_fp64_is_exact(workers, variant):
 
 def _gdn_without_cp_case(module, metadata, topology, *, input_ids, labels):
     """Deliberately wrong CP: GDN layers left unsharded (no conv halo, no state passing; each shard restarts)."""
-    set_context_parallel_attributes(module, topology.group, topology.rank, topology.size)
+    set_context_parallel_attributes(module, topology)
     for layer in module.modules():
         if isinstance(layer, Qwen35GatedDeltaNet):
             layer.cp_topology = CPTopology.single()
@@ -394,7 +343,7 @@ def test_checkpointing_leaves_the_model_unchanged():
     for checkpointing in (False, True):
         torch.manual_seed(0)
         model = build_model("dense", checkpointing=checkpointing)
-        set_context_parallel_attributes(model, None, 0, 1)
+        set_context_parallel_attributes(model, CPTopology.single())
         out = model(inputs["input_ids"], [10, 22], labels=inputs["labels"]).token_log_probs
         out.sum().backward()
         grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()}
@@ -416,7 +365,7 @@ def _set_cp(topology: CPTopology, config_name: str, overrides: dict, attention_c
     model = build_model(config_name, **overrides)
     style = {} if attention_cp_style is None else {"attention_cp_style": attention_cp_style}
     try:
-        set_context_parallel_attributes(model, topology.group, topology.rank, topology.size, **style)
+        set_context_parallel_attributes(model, topology, **style)
     except Exception:
         layers = [m for m in model.modules() if isinstance(m, ContextParallelModule)]
         assert layers and all(m.cp_topology.size == 1 for m in layers), "layers configured before the error"
@@ -425,11 +374,20 @@ def _set_cp(topology: CPTopology, config_name: str, overrides: dict, attention_c
     return style
 
 
+def test_set_context_parallel_attributes_takes_a_topology():
+    """A process group (or None) where the topology belongs gets one line naming the CPTopology to build, and
+    nothing is set."""
+    model = build_model("dense")
+    with pytest.raises(ContextParallelError, match=r"takes a cp_core.CPTopology, got NoneType: build one with"):
+        set_context_parallel_attributes(model, None)
+    assert all(m.cp_topology == CPTopology.single() for m in model.modules() if isinstance(m, ContextParallelModule))
+
+
 def _set_cp_on_transformers_model(topology: CPTopology) -> str:
     import transformers
 
     model = transformers.Qwen3_5ForCausalLM(make_config("dense"))
-    set_context_parallel_attributes(model, topology.group, topology.rank, topology.size)
+    set_context_parallel_attributes(model, topology)
     return "ok"
 
 
@@ -441,31 +399,10 @@ def _forward_with_seq_lens(
         seq_lens = seq_lens.get(topology.rank, [3, topology.size * local_len - 3])
     torch.manual_seed(0)
     model = build_model("dense")
-    set_context_parallel_attributes(model, topology.group, topology.rank, topology.size)
+    set_context_parallel_attributes(model, topology)
     input_ids = torch.randint(0, VOCAB, (local_len,))
     out = model(input_ids, seq_lens, labels=input_ids)
     return tuple(out.token_log_probs.shape)
-
-
-def _all_reduce_ranks(topology: CPTopology) -> int:
-    value = torch.tensor([float(topology.rank)])
-    dist.all_reduce(value, group=topology.group)
-    return int(value.item())
-
-
-def assert_every_rank_raises(workers: GlooWorkers, fn, *args, must_name: list[str]) -> None:
-    results = workers.run_collect(fn, *args, timeout_s=60)
-    assert len(results) == workers.world_size
-    for rank, result in enumerate(results):
-        assert isinstance(result, RankFailure), f"rank {rank} did not raise: {result!r}"
-        assert result.rank == rank
-        assert result.type_name == "ContextParallelError", f"rank {rank}: {result.type_name}: {result.message}"
-        for text in must_name:
-            assert text in result.message, f"rank {rank}: {text!r} not in {result.message!r}"
-    assert len({r.message for r in results}) == 1, [r.message for r in results]
-    # The group is still in step: nobody was left inside a collective.
-    cp = workers.world_size
-    assert workers.run(_all_reduce_ranks, timeout_s=60) == [sum(range(cp))] * cp
 
 
 @with_workers
@@ -527,7 +464,7 @@ def _forward_with_bad_input(topology: CPTopology, bad_ranks: tuple[int, ...], wh
     torch.manual_seed(0)
     local = 8
     model = build_model("dense")
-    set_context_parallel_attributes(model, topology.group, topology.rank, topology.size, attention_cp_style="kv_gather")
+    set_context_parallel_attributes(model, topology, attention_cp_style="kv_gather")
     ids = torch.randint(0, VOCAB, (local,))
     kwargs = {"labels": ids.clone()}
     if topology.rank in bad_ranks:

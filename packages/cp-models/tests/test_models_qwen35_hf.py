@@ -21,14 +21,14 @@ from transformers import (
     Qwen3_5ForCausalLM,
     Qwen3_5MoeConfig,
     Qwen3_5MoeForCausalLM,
-    Qwen3_5MoeTextConfig,
-    Qwen3_5TextConfig,
 )
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTopKRouter
 
 from cp_core import ContextParallelError
+from cp_core.testing import relative_max
 from cp_models import Qwen35ForCausalLM, apply_activation_checkpointing, load_text_config, token_log_probs
-from cp_models.common import read_safetensors, write_safetensors
+from cp_models.hf_checkpoint import read_safetensors, write_safetensors
+from cp_models.presets import tiny_qwen35_config, tiny_qwen35_moe_config
 from cp_models.qwen3_5 import Qwen35Experts, Qwen35Router
 
 TOL = 1e-5  # relative: max |ours - ref| / max |ref|, for logits and log-probs
@@ -39,20 +39,13 @@ TOL = 1e-5  # relative: max |ours - ref| / max |ref|, for logits and log-probs
 GRAD_TOL = 1e-4
 LIN, FULL = "linear_attention", "full_attention"
 
-BASE = dict(
+BASE = dict(  # overrides of the tiny Qwen3.5 preset (cp_models.presets.TINY_QWEN35)
     vocab_size=96,
     hidden_size=32,
     intermediate_size=48,
     num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
     linear_key_head_dim=8,
     linear_value_head_dim=8,
-    linear_conv_kernel_dim=4,
-    rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
 BASE_ROPE = {
@@ -61,7 +54,6 @@ BASE_ROPE = {
     "partial_rotary_factor": 0.25,
     "mrope_section": [1, 1, 0],
 }
-MOE = dict(moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=4, num_experts_per_tok=2)
 
 # name -> (moe?, config overrides, packed document lengths). Every row holds a document of 1-3 tokens.
 CASES = {
@@ -99,13 +91,12 @@ _WORST: dict[str, float] = {}  # largest relative error seen per kind, printed w
 
 
 def make_config(moe: bool, **overrides):
-    kw = {**BASE, **(MOE if moe else {}), **overrides}
+    kw = {**BASE, **overrides}  # the MoE preset: 4 experts, top-2, expert 16 and shared expert 24 wide
     if kw.get("layer_types") is None:
-        kw.pop("layer_types", None)
+        kw["layer_types"] = None  # transformers' pattern for num_hidden_layers (every 4th full attention)
     else:
         kw["num_hidden_layers"] = len(kw["layer_types"])
-    cls = Qwen3_5MoeTextConfig if moe else Qwen3_5TextConfig
-    return cls(**kw)
+    return (tiny_qwen35_moe_config if moe else tiny_qwen35_config)(**kw)
 
 
 def hf_class(config):
@@ -140,14 +131,6 @@ def build_pair(config, tmp_path, seed: int = 0):
     return hf, ours
 
 
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    ref_max = ref.abs().max().item()
-    diff = (ours.double() - ref.double()).abs().max().item()
-    if ref_max == 0:
-        return diff
-    return diff / ref_max
-
-
 def record(kind: str, err: float) -> None:
     _WORST[kind] = max(_WORST.get(kind, 0.0), err)
 
@@ -169,7 +152,7 @@ def assert_grads_close(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tenso
     worst = {}
     for name, grad in ours.items():
         assert grad is not None, name
-        worst[name] = rel_err(grad, ref[name])
+        worst[name] = relative_max(grad, ref[name])
         record(f"{kind} (A_log, dt_bias)" if name.endswith(("A_log", "dt_bias")) else kind, worst[name])
     bad = {n: e for n, e in worst.items() if e > tol}
     assert not bad, f"gradients differ: {bad}"
@@ -211,7 +194,7 @@ def test_parity_with_transformers(case, tmp_path):
     # transformers: one document at a time, gradients accumulated
     for part in doc_slices(seq_lens):
         ref_logits = hf(input_ids=ids[None, part], use_cache=False).logits[0]
-        err = rel_err(out.logits[part].detach(), ref_logits.detach())
+        err = relative_max(out.logits[part].detach(), ref_logits.detach())
         record("logits", err)
         assert err < TOL, f"logits of document {part}: relative error {err:.2e}"
         (ref_logits * weights[part]).sum().backward()
@@ -231,7 +214,7 @@ def test_mrope_positions_match_transformers(tmp_path):
     logits = ours(ids, seq_lens, position_ids=torch.cat(positions, dim=1)).logits
     for part, pos in zip(doc_slices(seq_lens), positions, strict=True):
         ref = hf(input_ids=ids[None, part], position_ids=pos[:, None], use_cache=False).logits[0]
-        err = rel_err(logits[part].detach(), ref.detach())
+        err = relative_max(logits[part].detach(), ref.detach())
         record("logits", err)
         assert err < TOL
     # explicit per-document text positions are what the default gives
@@ -278,7 +261,7 @@ def test_token_log_probs_function(t, v, chunk_size, vocab_chunk_size):
     ref = _reference_log_probs(hidden, weight, labels)
     r_hidden, r_weight = torch.autograd.grad((ref * upstream).sum(), [hidden, weight])
     for name, a, b in (("fwd", got, ref), ("hidden", g_hidden, r_hidden), ("weight", g_weight, r_weight)):
-        err = rel_err(a.detach(), b.detach())
+        err = relative_max(a.detach(), b.detach())
         record("token_log_probs", err)
         assert err < TOL, name
 
@@ -301,7 +284,7 @@ def test_token_log_probs_fp64_is_fp64_forward_and_backward(t, v, chunk_size, voc
     ref = logp.gather(1, labels.clamp_min(0)[:, None]).squeeze(1) * (labels >= 0)
     r_hidden, r_weight = torch.autograd.grad((ref * upstream).sum(), [hidden, weight])
     for name, a, b in (("fwd", got, ref), ("hidden", g_hidden, r_hidden), ("weight", g_weight, r_weight)):
-        err = rel_err(a.detach(), b.detach())
+        err = relative_max(a.detach(), b.detach())
         record("token_log_probs fp64", err)
         assert err < 1e-12, (name, err)
 
@@ -352,7 +335,7 @@ def test_token_log_probs_bf16_is_as_accurate_as_plain_cross_entropy():
     ours = grads(lambda hid, w: token_log_probs(hid, w, labels, 24), torch.bfloat16)
     plain = grads(lambda hid, w: _reference_log_probs(hid, w, labels), torch.bfloat16)
     for name, t_, o, p in zip(("fwd", "hidden", "weight"), truth, ours, plain, strict=True):
-        ours_err, plain_err = rel_err(o, t_), rel_err(p, t_)
+        ours_err, plain_err = relative_max(o, t_), relative_max(p, t_)
         assert ours_err <= 1.5 * plain_err + 1e-6, (name, ours_err, plain_err)
 
 
@@ -390,7 +373,7 @@ def test_model_token_log_probs_match_logits(moe, chunk_size, tmp_path):
     full = ours(ids, seq_lens, labels=labels, return_logits=True)
     assert full.logits is not None
     ref = torch.log_softmax(full.logits, -1).gather(1, labels.clamp_min(0)[:, None]).squeeze(1) * (labels >= 0)
-    err = rel_err(out.token_log_probs.detach(), ref.detach())
+    err = relative_max(out.token_log_probs.detach(), ref.detach())
     record("token_log_probs", err)
     assert err < TOL
     assert (out.token_log_probs[labels < 0] == 0).all()
@@ -439,15 +422,27 @@ def test_our_checkpoint_loads_in_transformers(moe, tied, tmp_path):
     with torch.no_grad():
         ref = hf(input_ids=ids[None], use_cache=False).logits[0]
         got = ours(ids, [9]).logits
-    err = rel_err(got, ref)
+    err = relative_max(got, ref)
     record("logits", err)
     assert err < TOL
 
     # and back: the same checkpoint loads into ours unchanged
     again = Qwen35ForCausalLM.from_pretrained(tmp_path)
     assert again.state_dict().keys() == ours.state_dict().keys()
+    assert (again.lm_head.weight is again.model.embed_tokens.weight) == tied  # tied again after loading
     for name, t in ours.state_dict().items():
         assert torch.equal(again.state_dict()[name], t), name
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_save_pretrained_leaves_the_model_config_unchanged(moe, tmp_path):
+    ours = _our_model(make_config(moe, layer_types=[LIN, FULL]), seed=23)
+    before = ours.config.to_dict()
+    ours.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())["architectures"]
+    assert written == ["Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"]
+    assert before["architectures"] != written  # the file names the class; the model's own config stays as given
+    assert ours.config.to_dict() == before
 
 
 def test_sharded_checkpoint_loads(tmp_path):
@@ -571,12 +566,12 @@ def test_activation_checkpointing_same_logits_and_grads(moe, tmp_path):
         ((out.logits * weights).sum() + out.token_log_probs.sum()).backward()
         logits.append(out.logits.detach())
         grads.append({n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()})
-    assert rel_err(logits[1], logits[0]) <= 1e-6
+    assert relative_max(logits[1], logits[0]) <= 1e-6
     assert grads[0].keys() == grads[1].keys()
     for name, g in grads[0].items():
-        assert rel_err(grads[1][name], g) <= 1e-6, name
+        assert relative_max(grads[1][name], g) <= 1e-6, name
         if not torch.equal(grads[1][name], g):
-            record("activation checkpointing", rel_err(grads[1][name], g))
+            record("activation checkpointing", relative_max(grads[1][name], g))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -615,18 +610,18 @@ def test_experts_looped_matches_naive(num_experts, top_k):
     looped = experts._looped(x, chosen, weights)
     torch.testing.assert_close(experts(x, chosen, weights), looped, rtol=0, atol=0)  # CPU fp32 takes the loop
     naive = _naive_experts(experts, x, chosen, weights)
-    assert rel_err(looped.detach(), naive.detach()) < 1e-6
+    assert relative_max(looped.detach(), naive.detach()) < 1e-6
 
     params = [x, experts.gate_up_proj, experts.down_proj, router.weight]
     upstream = torch.randn_like(looped)
     got = torch.autograd.grad((looped * upstream).sum(), params, retain_graph=True)
     ref = torch.autograd.grad((naive * upstream).sum(), params)
     for a, b in zip(got[:3], ref[:3], strict=True):
-        assert rel_err(a, b) < 1e-6
+        assert relative_max(a, b) < 1e-6
     if top_k == 1:  # the one weight is always 1: no gradient reaches the router
         assert got[3].abs().max() < 1e-6 and ref[3].abs().max() < 1e-6
     else:
-        assert rel_err(got[3], ref[3]) < 1e-6
+        assert relative_max(got[3], ref[3]) < 1e-6
     if num_experts == 8:
         assert (got[1][7] == 0).all() and (got[2][7] == 0).all()
 

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from vl_cases import VOCAB, build_row, make_config, pad_row, randomize_
 
 from cp_core import CPTopology
-from cp_core.testing import GlooWorkers, RankFailure, keep_float64_
+from cp_core.testing import GlooWorkers, RankFailure, keep_float64_, relative_max
 from cp_models import apply_activation_checkpointing, set_context_parallel_attributes
 from cp_vlm import Qwen35VLForConditionalGeneration
 
@@ -60,10 +59,7 @@ def run_rank(
 ):
     model = build_model(config_kwargs, state, vision_cp, checkpointing, dtype)
     row = dict(row, pixel_values=None if row["pixel_values"] is None else row["pixel_values"].to(dtype))
-    group = dist.group.WORLD if topology.enabled else None
-    set_context_parallel_attributes(
-        model, group, topology.rank, topology.size, attention_cp_style=attention_cp_style
-    )  # fmt: skip
+    set_context_parallel_attributes(model, topology, attention_cp_style=attention_cp_style)
     ids = row["input_ids"]
     gen = torch.Generator().manual_seed(seed)
     labels = torch.randint(0, VOCAB, ids.shape, generator=gen)
@@ -88,12 +84,6 @@ def run_rank(
     return {"logits": out.logits.detach(), "logp": out.token_log_probs.detach(), "grads": grads, "names": names}
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    scale = b.abs().max().item()
-    diff = (a.double() - b.double()).abs().max().item()
-    return diff / scale if scale else diff
-
-
 @pytest.fixture(scope="module", params=[2, 4], ids=["cp2", "cp4"])
 def workers(request):
     with GlooWorkers(request.param) as pool:
@@ -112,8 +102,8 @@ def weights():
 
 def compare(results: list[dict], reference: dict) -> dict[str, float]:
     errors = {
-        "logits": rel(torch.cat([r["logits"] for r in results]), reference["logits"]),
-        "logp": rel(torch.cat([r["logp"] for r in results]), reference["logp"]),
+        "logits": relative_max(torch.cat([r["logits"] for r in results]), reference["logits"]),
+        "logp": relative_max(torch.cat([r["logp"] for r in results]), reference["logp"]),
     }
     for name in reference["names"]:
         ref = reference["grads"].get(name)
@@ -121,7 +111,7 @@ def compare(results: list[dict], reference: dict) -> dict[str, float]:
         # Every rank has every gradient (vision included, zero on a rank that encoded nothing): FSDP needs that.
         assert all(g is not None for g in got), (name, [g is None for g in got])
         assert ref is not None, name
-        errors[f"grad.{name}"] = rel(torch.stack(got).sum(0), ref)
+        errors[f"grad.{name}"] = relative_max(torch.stack(got).sum(0), ref)
     return errors
 
 
@@ -197,20 +187,20 @@ def test_shard_and_replicate_agree(workers, weights):
         for mode in ("shard", "replicate")
     }
     for rank, (a, b) in enumerate(zip(runs["shard"], runs["replicate"], strict=True)):
-        assert rel(a["logits"], b["logits"]) <= 1e-5, rank
+        assert relative_max(a["logits"], b["logits"]) <= 1e-5, rank
         for name, grad in a["grads"].items():  # the text model sees the same shard in both modes
             if "visual" not in name:
-                assert rel(grad, b["grads"][name]) <= 1e-5, (rank, name)
+                assert relative_max(grad, b["grads"][name]) <= 1e-5, (rank, name)
     # A rank's vision gradient is of its own images (shard) or of its own image tokens (replicate); the sums agree.
     for name in runs["shard"][0]["grads"]:
         total = {mode: torch.stack([r["grads"][name] for r in results]).sum(0) for mode, results in runs.items()}
-        assert rel(total["shard"], total["replicate"]) <= 5e-5, name
+        assert relative_max(total["shard"], total["replicate"]) <= 5e-5, name
 
 
 def _indivisible_row(topology: CPTopology, state) -> None:
     model = Qwen35VLForConditionalGeneration(make_config(), vision_attention="eager")
     model.load_state_dict(state)
-    set_context_parallel_attributes(model, dist.group.WORLD, topology.rank, topology.size)
+    set_context_parallel_attributes(model, topology)
     row = build_row([[3, (1, 4, 4), 2]], seed=0)  # 11 tokens
     model(row["input_ids"], row["seq_lens"], pixel_values=row["pixel_values"], image_grid_thw=row["image_grid_thw"])
 
@@ -227,7 +217,7 @@ def _other_image_on_last_rank(topology: CPTopology, state) -> None:
     """The same token count and document lengths on every rank, but the last rank's image has another grid."""
     model = Qwen35VLForConditionalGeneration(make_config(), vision_attention="eager")
     model.load_state_dict(state)
-    set_context_parallel_attributes(model, dist.group.WORLD, topology.rank, topology.size)
+    set_context_parallel_attributes(model, topology)
     row = pad_row(build_row([[3, (1, 4, 4), 2]], seed=0), topology.size)
     grid = row["image_grid_thw"].clone()
     if topology.rank == topology.size - 1:
@@ -249,7 +239,7 @@ def _bad_input_on_some_ranks(topology: CPTopology, state, failing: tuple[int, ..
     """A valid image row on every rank, except that ranks ``failing`` pass one malformed ``what``."""
     model = Qwen35VLForConditionalGeneration(make_config(), vision_attention="eager")
     model.load_state_dict(state)
-    set_context_parallel_attributes(model, dist.group.WORLD, topology.rank, topology.size)
+    set_context_parallel_attributes(model, topology)
     row = pad_row(build_row([[3, (1, 4, 4), 2], [5]], seed=0), topology.size)
     ids, pixels, labels = row["input_ids"], row["pixel_values"], row["input_ids"].clone()
     if topology.rank in failing:

@@ -21,6 +21,7 @@ from transformers import (
 from vl_cases import IMG, PIXEL_DIM, VIDEO, VOCAB, VSTART, build_row, make_config, randomize_
 
 from cp_core import ContextParallelError
+from cp_core.testing import relative_max
 from cp_models import Qwen35ForCausalLM
 from cp_vlm import Qwen35VLForConditionalGeneration, balance_images
 
@@ -33,12 +34,6 @@ ROWS = {
     "image_first_and_last": [[(1, 4, 4)], [2, (1, 6, 2)]],
     "text_only_row": [[7], [4, 2]],
 }
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    scale = b.abs().max().item()
-    diff = (a.double() - b.double()).abs().max().item()
-    return diff / scale if scale else diff
 
 
 def hf_class(moe: bool):
@@ -93,9 +88,9 @@ def test_parity_with_transformers_per_document(tmp_path, moe, tie, row_name):
     for ids, grids, pixels in row["docs"]:
         part = slice(start, start + ids.numel())
         ref = hf_doc_logits(hf, ids, grids, pixels)
-        assert rel(out.logits[part].detach(), ref.detach()) < TOL, part
+        assert relative_max(out.logits[part].detach(), ref.detach()) < TOL, part
         ref_logp = torch.log_softmax(ref, -1).gather(1, labels[part, None]).squeeze(1)
-        assert rel(out.token_log_probs[part].detach(), ref_logp.detach()) < TOL
+        assert relative_max(out.token_log_probs[part].detach(), ref_logp.detach()) < TOL
         (ref * weights[part]).sum().backward()
         start += ids.numel()
     hf_grads = {n: p.grad for n, p in hf.named_parameters()}
@@ -107,7 +102,7 @@ def test_parity_with_transformers_per_document(tmp_path, moe, tie, row_name):
             assert row["image_grid_thw"] is None and "visual" in name, name
             assert torch.count_nonzero(grad) == 0, name
             continue
-        worst[name] = rel(grad, ref)
+        worst[name] = relative_max(grad, ref)
     bad = {n: e for n, e in worst.items() if e > GRAD_TOL}
     assert not bad, bad
     if row["image_grid_thw"] is not None:

@@ -1,12 +1,19 @@
 """The package installs with its workspace dependencies (dependencies flow core <- models <- vlm)."""
 
+from pathlib import Path
+
+from cp_core.testing import declared_version
+
+PACKAGES = Path(__file__).resolve().parents[2]
+
 
 def test_imports_with_dependencies():
     import cp_core
     import cp_models
     import cp_vlm
 
-    assert (cp_core.__version__, cp_models.__version__, cp_vlm.__version__) == ("0.1.0", "0.1.0", "0.1.0")
+    for name, module in (("cp-core", cp_core), ("cp-models", cp_models), ("cp-vlm", cp_vlm)):
+        assert module.__version__ == declared_version(PACKAGES / name / "pyproject.toml"), name
 
 
 def test_lower_layers_do_not_import_upper_ones():

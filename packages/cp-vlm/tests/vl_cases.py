@@ -8,43 +8,34 @@ from __future__ import annotations
 import random
 
 import torch
-from transformers import Qwen3_5Config, Qwen3_5MoeConfig
+
+from cp_models.presets import tiny_qwen35_vl_config
 
 IMG, VIDEO, VSTART, VEND = 90, 91, 88, 89
 VOCAB = 96
 PATCH, TEMPORAL, MERGE = 4, 2, 2
 PIXEL_DIM = 3 * TEMPORAL * PATCH * PATCH
 
+# Overrides of the tiny Qwen3.5-VL preset (cp_models.presets): a narrower 3-layer text model with real MRoPE on the
+# 4 rotary dims of each head (the three axes take interleaved frequency slots), and a smaller vision tower.
 TEXT = dict(
-    vocab_size=VOCAB,
     hidden_size=32,
     intermediate_size=48,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
     linear_key_head_dim=8,
     linear_value_head_dim=8,
-    linear_conv_kernel_dim=4,
-    rms_norm_eps=1e-6,
     layer_types=["linear_attention", "full_attention", "linear_attention"],
     num_hidden_layers=3,
-    # Real MRoPE on the 4 rotary dims of each head: the three axes take interleaved frequency slots.
     rope_parameters={
         "rope_type": "default",
         "rope_theta": 1000.0,
         "partial_rotary_factor": 0.5,
         "mrope_section": [2, 1, 1],
     },
+    tie_word_embeddings=False,  # the VL model ties by the top-level flag
 )
-MOE = dict(moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=4, num_experts_per_tok=2)
 VISION = dict(
-    depth=2,
     hidden_size=16,
     intermediate_size=32,
-    num_heads=2,
-    out_hidden_size=32,
     patch_size=PATCH,
     temporal_patch_size=TEMPORAL,
     spatial_merge_size=MERGE,
@@ -53,10 +44,12 @@ VISION = dict(
 
 
 def make_config(moe: bool = False, tie: bool = False, **text_overrides):
-    cls = Qwen3_5MoeConfig if moe else Qwen3_5Config
-    return cls(
-        text_config={**TEXT, **(MOE if moe else {}), **text_overrides},
-        vision_config=dict(VISION),
+    """The MoE text model: the preset's 4 experts, top-2, expert 16 and shared expert 24 wide."""
+    return tiny_qwen35_vl_config(
+        VOCAB,
+        moe=moe,
+        text={**TEXT, **text_overrides},
+        vision=VISION,
         image_token_id=IMG,
         video_token_id=VIDEO,
         vision_start_token_id=VSTART,

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from cp_core import build_packed_metadata
+from cp_core import CPTopology, build_packed_metadata
 from cp_core.testing import CommCounter, fake_process_group
 from cp_models import (
     ContextParallelModule,
@@ -141,7 +141,9 @@ def _sent(make_inputs, rank: int, cp: int, seq_len: int, recompute: bool, attent
         meta = build_packed_metadata([seq_len], rank, cp)  # one document spanning the row
         module, inputs = make_inputs(meta)
         if any(isinstance(m, ContextParallelModule) for m in module.modules()):
-            set_context_parallel_attributes(module, dist.group.WORLD, rank, cp, attention_cp_style=attention_cp)
+            set_context_parallel_attributes(
+                module, CPTopology.from_group(dist.group.WORLD), attention_cp_style=attention_cp
+            )
         with CommCounter(cp) as counter:
             out = checkpoint(module, *inputs, use_reentrant=False) if recompute else module(*inputs)
             out.float().sum().backward()
@@ -282,7 +284,7 @@ def _attention_saved_storages(config, rank: int, cp: int, local: int, style: str
 
     attention = Qwen35Attention(config, "torch", "torch").to(torch.bfloat16)
     with fake_process_group(rank, cp) as group:
-        set_context_parallel_attributes(attention, group, rank, cp, attention_cp_style=style)
+        set_context_parallel_attributes(attention, CPTopology.from_group(group), attention_cp_style=style)
         meta = build_packed_metadata([cp * local], rank, cp)
         x = torch.randn(local, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
         rotary = Qwen35Rotary(config)(meta.local_position_ids, torch.bfloat16)
@@ -606,7 +608,7 @@ def test_mamba_state_passing_correction_saves_what_the_planner_counts():
     mixer's, as a slope between two lengths (the halo and the passed state are per-call constants). Both lengths
     span 2+ chunks of the torch SSD reference (64 tokens): at cp = 1 its last chunk's final-state terms are dropped
     unless they share a storage with earlier chunks' (a per-call constant then, not one at a single chunk)."""
-    from cp_models.common import set_context_parallel_attributes
+    from cp_models import set_context_parallel_attributes
     from cp_models.nemotron_h import NemotronHMamba2Mixer
 
     config = tiny_nemotron_h_config()
@@ -618,12 +620,12 @@ def test_mamba_state_passing_correction_saves_what_the_planner_counts():
         rank = min(1, cp - 1)
         with fake_process_group(rank, cp) as group:
             if cp > 1:
-                set_context_parallel_attributes(mixer, group, rank, cp)
+                set_context_parallel_attributes(mixer, CPTopology.from_group(group))
             meta = build_packed_metadata([tokens * cp], rank, cp)
             x = torch.randn(tokens, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
             saved = _bytes_saved_for_backward(mixer, lambda: mixer(x, meta))
             if cp > 1:
-                set_context_parallel_attributes(mixer, None, 0, 1)
+                set_context_parallel_attributes(mixer, CPTopology.single())
             return saved
 
     def slope(cp: int) -> float:

@@ -17,15 +17,14 @@ The pieces, in the order one packed row meets them:
   groups (split when cp divides the groups, replicated when the groups divide cp).
 """
 
-from cp_core.attention import AttentionBackend, resolve_attention_backend, varlen_causal_attention
-from cp_core.conv import causal_conv1d, causal_conv1d_cp, exchange_halo, naive_causal_conv1d
-from cp_core.cp_attention import (
+from cp_core.attention_styles import (
     ATTENTION_CP_STYLES,
     AUTO_RING_FROM_CP,
     AttentionCPStyle,
     context_parallel_attention,
     resolve_attention_cp_style,
 )
+from cp_core.conv import causal_conv1d, causal_conv1d_cp, exchange_halo, naive_causal_conv1d
 from cp_core.errors import ContextParallelError
 from cp_core.gated_delta import (
     chunk_gated_delta_rule_torch,
@@ -34,7 +33,6 @@ from cp_core.gated_delta import (
     naive_recurrent_gated_delta_rule,
 )
 from cp_core.head_parallel import check_head_parallel, fused_sequence_to_heads, local_groups, local_heads
-from cp_core.kernels import RecurrentBackend, resolve_recurrent_backend
 from cp_core.kv_gather import gather_kv, kv_gather_attention
 from cp_core.kv_ring import kv_ring_attention
 from cp_core.packing import (
@@ -45,6 +43,7 @@ from cp_core.packing import (
     normalize_seq_lens,
     position_ids_from_seq_lens,
 )
+from cp_core.recurrent_backends import RecurrentBackend, resolve_recurrent_backend
 from cp_core.sharding import (
     check_same_row_on_every_rank,
     gather_sequence,
@@ -64,6 +63,7 @@ from cp_core.ulysses import (
     sequence_to_heads,
     ulysses_attention,
 )
+from cp_core.varlen_attention import AttentionBackend, resolve_attention_backend, varlen_causal_attention
 
 __version__ = "0.1.0"
 

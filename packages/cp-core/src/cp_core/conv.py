@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from cp_core.errors import ContextParallelError
-from cp_core.kernels import RecurrentBackend, document_index, fla_varlen_kwargs, resolve_recurrent_backend
 from cp_core.packing import PackedRowMetadata, position_ids_from_seq_lens
+from cp_core.recurrent_backends import RecurrentBackend, document_index, fla_varlen_kwargs, resolve_recurrent_backend
 from cp_core.sharding import exchange_p2p
 from cp_core.topology import CPTopology
 

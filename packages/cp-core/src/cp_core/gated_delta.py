@@ -25,9 +25,9 @@ import torch.utils.checkpoint
 
 from cp_core.chunking import build_chunk_layout
 from cp_core.errors import ContextParallelError
-from cp_core.kernels import RecurrentBackend, fla_varlen_kwargs, resolve_recurrent_backend
 from cp_core.numerics import upcast
 from cp_core.packing import PackedRowMetadata
+from cp_core.recurrent_backends import RecurrentBackend, fla_varlen_kwargs, resolve_recurrent_backend
 from cp_core.state_passing import pass_states
 from cp_core.topology import CPTopology
 

@@ -4,7 +4,7 @@ Each rank gathers the keys and values of the whole row (one all-gather of its ``
 reduce-scatter of their gradients backward) and attends a contiguous stretch of queries, its own ``[S / cp, Hq,
 D]`` (or half of them and half of a partner's, below): each document's piece of the stretch against the document's
 keys from its first token, wherever that lies, up to the stretch's last token: varlen attention whose key ranges
-end where the query ranges end (bottom-right causal alignment, see :mod:`cp_core.attention`). Nothing else
+end where the query ranges end (bottom-right causal alignment, see :mod:`cp_core.varlen_attention`). Nothing else
 changes, so it is exact like Ulysses.
 
 Against Ulysses (:mod:`cp_core.ulysses`), which needs cp to divide the query heads:
@@ -32,11 +32,11 @@ from dataclasses import dataclass
 
 import torch
 
-from cp_core.attention import AttentionBackend, check_attention_shard, varlen_causal_attention
 from cp_core.errors import ContextParallelError
 from cp_core.packing import PackedRowMetadata
 from cp_core.sharding import all_gather_rows, exchange_p2p, reduce_scatter_rows
 from cp_core.topology import CPTopology
+from cp_core.varlen_attention import AttentionBackend, check_attention_shard, varlen_causal_attention
 
 
 class _GatherKeysValues(torch.autograd.Function):

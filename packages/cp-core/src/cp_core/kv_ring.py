@@ -39,18 +39,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from cp_core.attention import (
+from cp_core.errors import ContextParallelError
+from cp_core.kv_gather import QueryStretch, balanced_stretches, query_stretch
+from cp_core.packing import PackedRowMetadata, build_packed_metadata
+from cp_core.sharding import exchange_p2p
+from cp_core.topology import CPTopology
+from cp_core.varlen_attention import (
     AttentionBackend,
     _causal_mask,
     check_attention_shard,
     resolve_attention_backend,
     varlen_causal_attention,
 )
-from cp_core.errors import ContextParallelError
-from cp_core.kv_gather import QueryStretch, balanced_stretches, query_stretch
-from cp_core.packing import PackedRowMetadata, build_packed_metadata
-from cp_core.sharding import exchange_p2p
-from cp_core.topology import CPTopology
 
 # --------------------------------------------------------------------------------------------------------
 # Block kernels: attention of packed query ranges against key ranges with the log-sum-exp, and the backward given

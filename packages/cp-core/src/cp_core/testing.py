@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cp_core.cp_attention import context_parallel_attention
+from cp_core.attention_styles import context_parallel_attention
 from cp_core.kv_gather import kv_gather_attention
 from cp_core.kv_ring import kv_ring_attention
 from cp_core.packing import PackedRowMetadata, build_packed_metadata
@@ -333,10 +333,8 @@ class ParityReport:
     def add(self, name: str, got: torch.Tensor, expected: torch.Tensor) -> None:
         if got.shape != expected.shape:
             raise AssertionError(f"{name}: CP shape {tuple(got.shape)} != reference shape {tuple(expected.shape)}")
-        diff = (got.double() - expected.double()).abs().max().item() if got.numel() else 0.0
-        scale = expected.double().abs().max().item() if expected.numel() else 0.0
-        self.absolute[name] = diff
-        self.relative[name] = diff / scale if scale > 0 else diff
+        self.absolute[name] = (got.double() - expected.double()).abs().max().item() if got.numel() else 0.0
+        self.relative[name] = relative_max(got, expected)
 
     @property
     def worst(self) -> tuple[str, float]:
@@ -570,9 +568,18 @@ def saved_storages(run: Callable[[], Any]) -> tuple[Any, dict[int, int]]:
     return result, storages
 
 
-def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``||a - b|| / ||b||`` in fp64."""
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
+def relative_l2(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-300) -> float:
+    """``||a - b|| / ||b||`` in fp64, the denominator at least ``floor`` (for a reference that is zero in exact
+    arithmetic)."""
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(floor)).item()
+
+
+def relative_max(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a - b| / max |b|`` in fp64, the error relative to the reference's scale (the absolute difference
+    where ``b`` is all zero); what :class:`ParityReport` records per tensor."""
+    diff = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+    scale = b.double().abs().max().item() if b.numel() else 0.0
+    return diff / scale if scale > 0 else diff
 
 
 @dataclass
@@ -737,6 +744,14 @@ def _input_bytes(op: str, args: tuple) -> int:
 
 # --------------------------------------------------------------------------------------------------------
 # One rank's share without the other ranks
+
+
+def declared_version(pyproject: str | os.PathLike) -> str:
+    """The ``[project] version`` a package's pyproject.toml declares (what its ``__version__`` must say)."""
+    import tomllib
+
+    with open(pyproject, "rb") as f:
+        return tomllib.load(f)["project"]["version"]
 
 
 @contextlib.contextmanager

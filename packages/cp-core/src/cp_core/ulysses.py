@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from cp_core.attention import AttentionBackend, check_attention_shard, varlen_causal_attention
 from cp_core.errors import ContextParallelError
 from cp_core.packing import PackedRowMetadata
 from cp_core.topology import CPTopology
+from cp_core.varlen_attention import AttentionBackend, check_attention_shard, varlen_causal_attention
 
 
 def check_ulysses_heads(num_q_heads: int, num_kv_heads: int, cp_size: int) -> None:

@@ -7,7 +7,7 @@ One readable file in the manner of transformers' modeling files. Parameter names
 
 Every block is ``x + mixer(RMSNorm(x))`` with one mixer chosen by ``config.layers_block_type`` (from
 ``hybrid_override_pattern``: M = Mamba-2, * = attention, - = MLP, E = MoE). Forward takes this rank's tokens of
-one packed row and the row's global document lengths. Attention runs Ulysses or all-gathered KV
+one packed row and the row's global document lengths. Attention runs Ulysses, all-gathered or ring-passed KV
 (cp_core.context_parallel_attention, chosen by set_context_parallel_attributes). Mamba-2 runs one of two CP
 strategies, chosen per model with ``mamba_cp_style``:
 
@@ -21,6 +21,8 @@ strategies, chosen per model with ``mamba_cp_style``:
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,23 +46,12 @@ from cp_core import (
 )
 from cp_core.head_parallel import check_head_parallel, fused_sequence_to_heads, local_groups, local_heads
 from cp_core.numerics import upcast
-from cp_models.common import (
-    CausalLMOutput,
-    ContextParallelAttention,
-    ContextParallelModule,
-    GatedRMSNorm,
-    build_row_metadata,
-    causal_lm_output,
-    check_checkpoint_keys,
-    combine_expert_outputs,
-    embed_row,
-    read_safetensors,
-    squared_relu_linear,
-    strip_prefixes,
-    unwrapped_names,
-    validated_row_inputs,
-    write_safetensors,
-)
+from cp_models.context_parallel import ContextParallelAttention, ContextParallelModule
+from cp_models.feed_forward import combine_expert_outputs, squared_relu_linear
+from cp_models.hf_checkpoint import load_hf_checkpoint, strip_prefixes, unwrapped_names, write_safetensors
+from cp_models.loss import CausalLMOutput, causal_lm_output
+from cp_models.norms import GatedRMSNorm
+from cp_models.row_inputs import build_row_metadata, embed_row, validated_row_inputs
 
 MambaCPStyle = Literal["state_passing", "a2a"]
 MAMBA_CP_STYLES: tuple[str, ...] = ("state_passing", "a2a")
@@ -293,7 +284,7 @@ class NemotronHMamba2Mixer(ContextParallelModule):
 
 class NemotronHAttention(ContextParallelAttention):
     """Grouped-query softmax attention without positional encoding or biases (as transformers' Nemotron-H);
-    Ulysses or all-gathered KV under CP."""
+    Ulysses, all-gathered or ring-passed KV under CP."""
 
     def __init__(self, config, attention_backend: AttentionBackend = "auto"):
         super().__init__()
@@ -592,12 +583,10 @@ class NemotronHForCausalLM(nn.Module):
         config = load_nemotron_h_config(str(path))
         with torch.device("meta"):
             model = cls(config, attention_backend, recurrent_backend, mamba_cp_style)
-        state = hf_to_cp_state(read_safetensors(path), config)
-        expected = set(model.state_dict().keys())  # parameters and the routers' correction-bias buffers
-        check_checkpoint_keys(state, expected, path)
-        # Cast before assigning, so that the routers' fp32 tensors never pass through a lower precision.
-        state = {n: _checkpoint_dtype(n, t, dtype) for n, t in state.items()}
-        model.load_state_dict(state, strict=True, assign=True)
+        # Expected: the parameters and the routers' correction-bias buffers. Cast before assigning, so that the
+        # routers' fp32 tensors never pass through a lower precision.
+        cast = functools.partial(_checkpoint_dtype, dtype=dtype)
+        load_hf_checkpoint(model, path, lambda state: hf_to_cp_state(state, config), cast=cast)
         return model
 
     def save_pretrained(self, path: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
@@ -607,10 +596,11 @@ class NemotronHForCausalLM(nn.Module):
         """
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        self.config.architectures = ["NemotronHForCausalLM"]
-        self.config.save_pretrained(path)
+        config = copy.deepcopy(self.config)  # the architectures written are the file's, not this model's config's
+        config.architectures = ["NemotronHForCausalLM"]
+        config.save_pretrained(path)
         state = unwrapped_names(self.state_dict() if state_dict is None else state_dict)
-        write_safetensors(cp_to_hf_state(state, self.config), path)
+        write_safetensors(cp_to_hf_state(state, config), path)
 
 
 def _checkpoint_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

@@ -6,7 +6,7 @@ loads directly, and :meth:`Qwen35ForCausalLM.save_pretrained` writes one transfo
 
 Layers: Gated DeltaNet (``linear_attention``), gated softmax attention (``full_attention``), SwiGLU MLP or sparse
 MoE with a gated shared expert. Forward takes this rank's tokens of one packed row and the row's global document
-lengths; attention runs Ulysses or all-gathered KV (cp_core.context_parallel_attention, chosen by
+lengths; attention runs Ulysses, all-gathered or ring-passed KV (cp_core.context_parallel_attention, chosen by
 set_context_parallel_attributes), GDN the conv halo and state passing.
 """
 
@@ -29,27 +29,16 @@ from cp_core import (
     causal_conv1d_cp,
     gated_delta_rule_cp,
 )
-from cp_models.common import (
-    CausalLMOutput,
-    ContextParallelAttention,
-    ContextParallelModule,
-    GatedRMSNorm,
-    ZeroCenteredRMSNorm,
-    build_row_metadata,
-    causal_lm_output,
-    check_checkpoint_keys,
-    combine_expert_outputs,
-    embed_row,
-    read_safetensors,
-    row_position_ids,
-    strip_prefixes,
-    swiglu_linear,
-    unwrapped_names,
-    validated_row_inputs,
-    write_safetensors,
-)
+from cp_models.context_parallel import ContextParallelAttention, ContextParallelModule
+from cp_models.feed_forward import combine_expert_outputs, swiglu_linear
+from cp_models.hf_checkpoint import load_hf_checkpoint, strip_prefixes, unwrapped_names, write_safetensors
+from cp_models.loss import CausalLMOutput, causal_lm_output
+from cp_models.norms import GatedRMSNorm, ZeroCenteredRMSNorm
+from cp_models.row_inputs import build_row_metadata, embed_row, row_position_ids, validated_row_inputs
 
-SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
+TEXT_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
+VL_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")  # vision-language checkpoints: their text_config loads here
+SUPPORTED_MODEL_TYPES = (*TEXT_MODEL_TYPES, *VL_MODEL_TYPES)
 
 
 def load_text_config(path_or_config):
@@ -59,12 +48,12 @@ def load_text_config(path_or_config):
     config = (
         path_or_config if isinstance(path_or_config, PretrainedConfig) else AutoConfig.from_pretrained(path_or_config)
     )
-    if getattr(config, "text_config", None) is not None and config.model_type in ("qwen3_5", "qwen3_5_moe"):
+    if getattr(config, "text_config", None) is not None and config.model_type in VL_MODEL_TYPES:
         # A VL checkpoint ties its head by the top-level flag (transformers' VL model reads that one).
         tied = config.tie_word_embeddings
         config = copy.deepcopy(config.text_config)
         config.tie_word_embeddings = tied
-    if config.model_type not in ("qwen3_5_text", "qwen3_5_moe_text"):
+    if config.model_type not in TEXT_MODEL_TYPES:
         raise ContextParallelError(f"not a Qwen3.5 config: model_type={config.model_type!r}")
     return config
 
@@ -125,8 +114,8 @@ def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
 
 
 class Qwen35Attention(ContextParallelAttention):
-    """Gated softmax attention: q_proj emits query and gate, q/k RMSNorm, partial rotary, GQA; Ulysses or
-    all-gathered KV under CP."""
+    """Gated softmax attention: q_proj emits query and gate, q/k RMSNorm, partial rotary, GQA; Ulysses,
+    all-gathered or ring-passed KV under CP."""
 
     def __init__(
         self, config, attention_backend: AttentionBackend = "auto", recurrent_backend: RecurrentBackend = "auto"
@@ -424,14 +413,8 @@ class Qwen35ForCausalLM(nn.Module):
         config = load_text_config(str(path))
         with torch.device("meta"):
             model = cls(config, attention_backend, recurrent_backend)
-        state = hf_to_cp_state(read_safetensors(path), config)
-        expected = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-        if config.tie_word_embeddings:
-            expected.discard("lm_head.weight")
-        check_checkpoint_keys(state, expected, path)
-        model.load_state_dict(state, strict=False, assign=True)
-        if config.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
+        tied = ("lm_head.weight", "model.embed_tokens.weight") if config.tie_word_embeddings else None
+        load_hf_checkpoint(model, path, lambda state: hf_to_cp_state(state, config), tied=tied)
         model.model.rotary_emb = Qwen35Rotary(config)  # buffers were on the meta device
         if dtype is not None:
             model.to(dtype)
@@ -444,7 +427,7 @@ class Qwen35ForCausalLM(nn.Module):
         """
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        config = self.config
+        config = copy.deepcopy(self.config)  # the architectures written are the file's, not this model's config's
         config.architectures = ["Qwen3_5MoeForCausalLM" if getattr(config, "num_experts", 0) else "Qwen3_5ForCausalLM"]
         config.save_pretrained(path)
         state = unwrapped_names(self.state_dict() if state_dict is None else state_dict)

@@ -44,18 +44,10 @@ from cp_core import (
     check_same_row_on_every_rank,
     gather_variable,
 )
-from cp_models.common import (
-    CausalLMOutput,
-    causal_lm_output,
-    check_checkpoint_keys,
-    check_token_values,
-    read_safetensors,
-    strip_prefixes,
-    tensor_shapes,
-    unwrapped_names,
-    write_safetensors,
-)
+from cp_models.hf_checkpoint import load_hf_checkpoint, strip_prefixes, unwrapped_names, write_safetensors
+from cp_models.loss import CausalLMOutput, causal_lm_output
 from cp_models.qwen3_5 import (
+    VL_MODEL_TYPES,
     Qwen35Rotary,
     Qwen35TextModel,
     cp_to_hf_state,
@@ -63,11 +55,11 @@ from cp_models.qwen3_5 import (
     init_qwen35_weights,
     load_text_config,
 )
+from cp_models.row_inputs import check_token_values, tensor_shapes
 from cp_vlm.positions import packed_mrope_positions
 
 VisionCP = Literal["shard", "replicate"]
 VISION_CP_MODES: tuple[str, ...] = ("shard", "replicate")
-VL_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
 
 
 def load_vl_config(path_or_config):
@@ -317,14 +309,9 @@ class Qwen35VLForConditionalGeneration(nn.Module):
         # The vision tower is transformers' module: build it for real, so that its non-persistent buffers (rotary
         # frequencies) exist; its weights are then replaced by the checkpoint's.
         model.model.visual = build_vision_tower(model.config)
-        state = vl_hf_to_cp_state(read_safetensors(path), model.config)
-        expected = set(model.state_dict().keys())
-        if model.config.tie_word_embeddings:
-            expected.discard("lm_head.weight")
-        check_checkpoint_keys(state, expected, path)
-        model.load_state_dict(state, strict=False, assign=True)
-        if model.config.tie_word_embeddings:
-            model.lm_head.weight = model.model.language_model.embed_tokens.weight
+        tied = ("lm_head.weight", "model.language_model.embed_tokens.weight")
+        tied = tied if model.config.tie_word_embeddings else None
+        load_hf_checkpoint(model, path, lambda state: vl_hf_to_cp_state(state, model.config), tied=tied)
         model.model.language_model.rotary_emb = Qwen35Rotary(load_text_config(model.config))  # was on meta
         if dtype is not None:
             model.to(dtype)

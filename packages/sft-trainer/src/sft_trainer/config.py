@@ -76,7 +76,7 @@ SHIPPED_MODEL_CONFIGS = CONFIGS_DIR / "models"
 # style of the family). Qwen3.5: "ulysses" = softmax attention by Ulysses all-to-all, GDN by the conv halo and
 # state passing. Nemotron-H: the style is the Mamba-2 strategy ("state_passing": conv halo + SSD state passing;
 # "a2a": head-parallel all-to-all); MLP/MoE layers need no CP. Softmax attention follows ``parallel.attention_cp``
-# (Ulysses or all-gathered KV) under every style.
+# (Ulysses, all-gathered or ring-passed KV) under every style.
 LAYER_CP_STYLES: dict[str, dict[str, tuple[str, ...]]] = {
     "qwen3_5": {"full_attention": ("ulysses",), "linear_attention": ("ulysses",)},
     "nemotron_h": {
@@ -107,7 +107,6 @@ LINEAR_NAMES: dict[str, tuple[str, ...]] = {
     ),
     "nemotron_h": ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj", "up_proj", "down_proj"),
 }
-QWEN35_LINEAR_NAMES = LINEAR_NAMES["qwen3_5"]
 NEMOTRON_H_MODEL_TYPES = ("nemotron_h",)
 _VL_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
 

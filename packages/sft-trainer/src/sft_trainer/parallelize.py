@@ -14,7 +14,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from cp_core import resolve_recurrent_backend
-from cp_models.common import ContextParallelModule, decoder_layers
+from cp_models.activation_checkpointing import decoder_layers
+from cp_models.context_parallel import ContextParallelModule
 
 
 def _unwrap(module: nn.Module) -> nn.Module:

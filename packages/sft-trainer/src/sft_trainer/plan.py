@@ -2,7 +2,7 @@
 
 From the validated :class:`~sft_trainer.config.TrainConfig` and nothing bigger than the model's config, it reports
 
-1. per layer type: how many there are, the CP strategy at this ``cp`` (attention: Ulysses or all-gathered KV,
+1. per layer type: how many there are, the CP strategy at this ``cp`` (attention: Ulysses, gathered or ring-passed KV,
    ``parallel.attention_cp``), and the bytes each rank sends per row (forward + backward, the busiest rank, one
    document spanning the row), with totals, the state-passing / all-to-all / all-gather shares and the time at a
    stated NVLink bandwidth;
@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from cp_models.common import loss_tile_shape
+from cp_models.loss import loss_tile_shape
 
 # ----------------------------------------------------------------------------------------------------------
 # Memory coefficients (calibrate these)
@@ -95,7 +95,8 @@ ACTIVATION_COEFFICIENTS: dict[str, dict[str, dict[str, float]]] = {
     # rank's own rotated k, v, (Hq + 2 Hkv) D, saved 1 with the fp32 log-sum-exp (q_heads_f32, as every path);
     # transient attn_kv_blocks 1, at most 16 Hkv D in the activation dtype: in backward the block in use and the one
     # arriving (2 x 2), the rank's fp32 share of the block's k / v gradients (4), the gradients received, the ones
-    # still going out and the new ones (3 x 2). Modelled from the code, not yet measured on the GPU.
+    # still going out and the new ones (3 x 2). Measured on the H200 (0.8B, 32k tokens a rank, cp 16 / 32 / 64):
+    # docs/benchmarks/simulated_scale_qwen3_5-0.8b.md, held to 15 % by the planner's memory test.
     "qwen3_5.attention": {
         "saved": {
             "hidden": 1,

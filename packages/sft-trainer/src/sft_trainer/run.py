@@ -167,9 +167,7 @@ def build_model(cfg, tokenizer, device: torch.device, mesh, topology: CPTopology
         apply_activation_checkpointing(model)
         if vision:
             apply_activation_checkpointing(model, model.vision_blocks())
-    set_context_parallel_attributes(
-        model, topology.group, topology.rank, topology.size, attention_cp_style=cfg.parallel.attention_cp
-    )
+    set_context_parallel_attributes(model, topology, attention_cp_style=cfg.parallel.attention_cp)
     if cfg.train.lora.enabled:
         from sft_trainer.lora import apply_lora
 

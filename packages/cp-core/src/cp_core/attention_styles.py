@@ -15,18 +15,18 @@ from typing import Literal
 
 import torch
 
-from cp_core.attention import AttentionBackend
 from cp_core.errors import ContextParallelError
 from cp_core.kv_gather import kv_gather_attention
 from cp_core.kv_ring import kv_ring_attention
 from cp_core.packing import PackedRowMetadata
 from cp_core.topology import CPTopology
 from cp_core.ulysses import check_ulysses_heads, ulysses_attention
+from cp_core.varlen_attention import AttentionBackend
 
 AttentionCPStyle = Literal["auto", "ulysses", "kv_gather", "kv_ring"]
 ATTENTION_CP_STYLES: tuple[str, ...] = ("auto", "ulysses", "kv_gather", "kv_ring")
 _RUNNERS = {"ulysses": ulysses_attention, "kv_gather": kv_gather_attention, "kv_ring": kv_ring_attention}
-# Where "auto" leaves all-gathered KV for the ring. On one H200 (0.8B, 32k tokens a rank, 2026-12-05a) both held
+# Where "auto" leaves all-gathered KV for the ring. On one H200 (0.8B, 32k tokens a rank) both held
 # 0.95x the ideal per-rank memory at cp 16, where the gather sends a quarter fewer bytes and balances documents that
 # straddle one cut; at cp 32 / 64 the gathered row's keys and values took it to 1.26x / 1.63x, the ring stayed at
 # 0.95x, and its compute was 1-3 % lower.

@@ -1,0 +1,91 @@
+"""The model-family specs: lookup by HF model type, and that each spec's names match the models they describe
+(the LoRA targets are the models' linear layers, the layer types are the ones its configs produce, the presets
+build the family's model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from cp_core import ContextParallelError
+from cp_models.families import FAMILIES, NEMOTRON_H, PRESETS, QWEN35, SUPPORTED_MODEL_TYPES, family_for
+from cp_models.presets import tiny_qwen35_moe_config
+
+
+def _linear_names(model: nn.Module) -> set[str]:
+    return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
+@pytest.mark.parametrize(
+    ("model_type", "family"),
+    [
+        ("qwen3_5_text", QWEN35),
+        ("qwen3_5_moe_text", QWEN35),
+        ("qwen3_5", QWEN35),
+        ("qwen3_5_moe", QWEN35),
+        ("nemotron_h", NEMOTRON_H),
+    ],
+)
+def test_family_for_finds_every_supported_model_type(model_type, family):
+    assert family_for(model_type) is family
+    assert model_type in SUPPORTED_MODEL_TYPES
+
+
+def test_family_for_names_the_supported_types():
+    with pytest.raises(ContextParallelError, match=r"model_type='llama' is not supported; supported model types: "):
+        family_for("llama")
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_presets_build_their_family_model(preset):
+    config = PRESETS[preset](vocab_size=96)
+    family = family_for(config)
+    assert preset in family.tiny_presets
+    assert config.model_type in family.model_types
+    torch.manual_seed(0)
+    model = family.model_class_for(config)(config)
+    assert family.is_vision_language(config) == preset.endswith("-vl")
+    assert type(model).__name__ == (
+        "Qwen35VLForConditionalGeneration" if preset.endswith("-vl") else family.model_class.__name__
+    )
+    text = family.load_text_config(config)
+    layer_types = set(getattr(text, family.layer_types_attribute)[: len(model.decoder_layers())])
+    assert layer_types <= set(family.layer_cp_styles)
+    assert {hf_type for hf_type, _ in family.layer_parts.values()} >= layer_types
+
+
+@pytest.mark.parametrize(
+    ("family", "config"),
+    [
+        (QWEN35, lambda: PRESETS["tiny-qwen3_5"](96)),
+        (QWEN35, lambda: tiny_qwen35_moe_config(96)),
+        (NEMOTRON_H, lambda: PRESETS["tiny-nemotron_h"](96)),
+    ],
+    ids=["qwen3_5", "qwen3_5_moe", "nemotron_h"],
+)
+def test_lora_targets_are_the_models_linear_layers(family, config):
+    """Every nn.Linear of the model but the LM head is a target, and every target is a linear layer of it (the
+    dense and MoE Qwen3.5 together hold all of Qwen3.5's)."""
+    names = _linear_names(family.model_class(config())) - {"lm_head"}
+    assert names <= set(family.lora_targets)
+    if family is NEMOTRON_H:
+        assert names == set(family.lora_targets)
+
+
+def test_qwen35_lora_targets_are_covered_by_dense_and_moe():
+    names = _linear_names(QWEN35.model_class(PRESETS["tiny-qwen3_5"](96)))
+    names |= _linear_names(QWEN35.model_class(tiny_qwen35_moe_config(96)))
+    assert names - {"lm_head"} == set(QWEN35.lora_targets)
+
+
+def test_cp_styles_and_coefficient_keys():
+    assert QWEN35.resolve_cp_style("auto") == "ulysses"
+    assert NEMOTRON_H.resolve_cp_style("auto") == "state_passing"
+    assert NEMOTRON_H.resolve_cp_style("a2a") == "a2a"
+    with pytest.raises(ContextParallelError, match="'a2a' is not a qwen3_5 style"):
+        QWEN35.resolve_cp_style("a2a")
+    for family in FAMILIES.values():
+        parts = {key.split(".", 1)[1] for key in family.coefficient_keys}
+        assert all(key.startswith(f"{family.name}.") for key in family.coefficient_keys)
+        assert set(family.layer_parts) | {"block", "model"} <= parts
