@@ -27,6 +27,7 @@ from cp_models import (
 from cp_models.nemotron_h import NemotronHBlock
 from cp_models.qwen3_5 import Qwen35DecoderLayer, Qwen35Rotary
 from sft_trainer import plan
+from sft_trainer.cli import main as run_main
 from sft_trainer.config import (
     LINEAR_NAMES,
     LoraConfig,
@@ -37,7 +38,6 @@ from sft_trainer.config import (
     tiny_qwen35_config,
 )
 from sft_trainer.lora import apply_lora
-from sft_trainer.run import main as run_main
 
 SHAPES = ("qwen3_5-0.8b", "qwen3_5-2b", "qwen3_5-35b-a3b", "nemotron_h-nano-30b-a3b")
 GIB = 2**30
@@ -707,12 +707,12 @@ def run_plan(capsys, *args):
 
 def test_cli_prints_the_table(capsys):
     out = run_plan(capsys, "--config", "tiny_cpu")
-    config = tiny_qwen35_config(vocab_size=plan._tokenizer_vocab(str(load_config("tiny_cpu").tokenizer_path)))
+    config = tiny_qwen35_config(vocab_size=plan.tokenizer_vocab(str(load_config("tiny_cpu").tokenizer_path)))
     assert "sft-train plan: tiny-qwen3_5 (qwen3_5_text)" in out
     assert f"{plan.count_parameters(config).total:,} parameters" in out
     gdn = plan.gdn_bytes(config, 256, 2, 4)
     row = re.search(r"linear_attention \(Gated DeltaNet\)\s+3\s+conv halo \+ delta-rule state passing\s+(\S+ \S+)", out)
-    assert row and row.group(1) == plan._size(gdn)
+    assert row and row.group(1) == plan.format_size(gdn)
     assert re.search(r"full_attention \(gated softmax attention\)\s+1\s+Ulysses all-to-all, KV heads x1", out)
     assert re.search(r"mlp \(SwiGLU MLP\)\s+4\s+local", out)
     assert "Memory per rank (GiB)" in out and "Longest data.seq_len that fits" in out
@@ -724,7 +724,7 @@ def test_cli_prints_the_table(capsys):
     assert re.search(r"\n\s+8\s+\d+\s+\d+\n", out) and "not valid" not in out
     # The ring: its strategy, bytes and share in the table, every cp valid.
     out = run_plan(capsys, "--config", "tiny_cpu", "--parallel.attention_cp", "kv_ring")
-    config = tiny_qwen35_config(vocab_size=plan._tokenizer_vocab(str(load_config("tiny_cpu").tokenizer_path)))
+    config = tiny_qwen35_config(vocab_size=plan.tokenizer_vocab(str(load_config("tiny_cpu").tokenizer_path)))
     ring = plan.kv_ring_attention_bytes(
         256, 2, config.num_attention_heads, config.num_key_value_heads, config.head_dim, 4
     )
@@ -732,7 +732,7 @@ def test_cli_prints_the_table(capsys):
     row = re.search(
         r"full_attention \(gated softmax attention\)\s+1\s+ring of K\|V blocks, query halves swapped\s+(\S+ \S+)", out
     )
-    assert row and row.group(1) == plan._size(ring)
+    assert row and row.group(1) == plan.format_size(ring)
     assert re.search(r"all-gather 0\.0%, ring \d+\.\d%", out)
 
 
@@ -881,7 +881,7 @@ def test_vl_plan_counts_the_vision_tower(capsys):
 
     result = json.loads(run_plan(capsys, "--config", "tiny_vl_cpu", "--json"))
     cfg = load_config("tiny_vl_cpu")
-    vocab = plan._tokenizer_vocab(cfg.tokenizer_path)
+    vocab = plan.tokenizer_vocab(cfg.tokenizer_path)
     with torch.device("meta"):
         model = Qwen35VLForConditionalGeneration(resolve_model_config(cfg.model, vocab_size=vocab))
     assert result["model"]["parameters"] == sum(p.numel() for p in model.parameters())
@@ -909,7 +909,7 @@ def test_a_gpu_run_warns_before_launch_when_the_plan_does_not_fit(capsys, monkey
     import sft_trainer.run as run
 
     launched = []
-    monkeypatch.setattr(run, "_backend", lambda cfg: "nccl")
+    monkeypatch.setattr(run, "backend_of", lambda cfg: "nccl")
     monkeypatch.setattr(run, "launch", launched.append)
     monkeypatch.setenv("RANK", rank)
     args = ["--config", "tiny_cpu", "--model.config", "qwen3_5-0.8b", "--model.dtype", "bfloat16"]
@@ -931,25 +931,26 @@ def test_a_gpu_run_warns_before_launch_when_the_plan_does_not_fit(capsys, monkey
 
 
 def test_a_cpu_run_skips_the_gpu_plan(capsys, monkeypatch, tmp_path):
+    import sft_trainer.cli as cli
     import sft_trainer.run as run
 
-    monkeypatch.setattr(run, "_backend", lambda cfg: "gloo")
+    monkeypatch.setattr(run, "backend_of", lambda cfg: "gloo")
     monkeypatch.setattr(run, "launch", lambda cfg: None)
-    monkeypatch.setattr(run, "warn_when_plan_does_not_fit", lambda cfg: pytest.fail("planned a CPU run"))
+    monkeypatch.setattr(cli, "warn_when_plan_does_not_fit", lambda cfg: pytest.fail("planned a CPU run"))
     args = ["--model.config", "qwen3_5-0.8b", "--data.seq_len", "1048576", "--output_dir", str(tmp_path)]
     run_main(["--config", "tiny_cpu", *args])
     assert capsys.readouterr().out == ""
 
 
 def test_a_plan_that_cannot_be_built_does_not_stop_the_run(capsys, monkeypatch):
+    import sft_trainer.cli as cli
     import sft_trainer.plan
-    import sft_trainer.run as run
 
     def broken(cfg, **kwargs):
         raise KeyError("hidden_size")
 
     monkeypatch.setattr(sft_trainer.plan, "build_plan", broken)
-    assert run.warn_when_plan_does_not_fit(load_config("tiny_cpu")) is True
+    assert cli.warn_when_plan_does_not_fit(load_config("tiny_cpu")) is True
     assert (
         capsys.readouterr().out == "[sft-train] note: no memory estimate (KeyError: 'hidden_size'); starting anyway\n"
     )

@@ -100,7 +100,7 @@ def test_data_without_rows_stops_with_one_clean_line(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     proc = subprocess.run(
-        [sys.executable, "-c", "from sft_trainer.run import main; main()", "--output_dir", str(tmp_path / "out"),
+        [sys.executable, "-c", "from sft_trainer.cli import main; main()", "--output_dir", str(tmp_path / "out"),
          "--data.path", str(empty), "--data.seq_len", "128"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
