@@ -4,6 +4,7 @@ the numbers that fix them, and the CLI prints a table and JSON."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import re
@@ -336,145 +337,75 @@ def test_does_not_fit_suggests_the_ring(capsys):
 REPO = Path(__file__).resolve().parents[3]
 
 
-TILED_LOSS_RUN = "2026-12-03e"
-"""The first GPU run of the tiled loss and the weighted MoE combine; rows recorded before it ran the older code."""
-
-
-def _recorded_h200_peaks() -> list[tuple[str, int, int, bool, float, str, int | None, str]]:
+def _recorded_h200_peaks() -> list[tuple[str, int, int, bool, float, int | None, str]]:
     """Every current cp_models peak recorded on the H200 (docs/benchmarks/*.json): (shape, S, cp, checkpointing,
-    GiB, run, simulated rank, attention strategy). Rows measured again after a code change carry a "superseded"
-    status and are left out. Simulated rows name their rank (rows without one were rank cp // 2) and, since
-    all-gathered KV exists, the attention strategy the model resolved (rows without one ran Ulysses)."""
+    GiB, simulated rank, attention strategy). Rows that measured code since changed in what they keep carry a
+    "superseded" status and are left out. Simulated rows name their rank (rows without one were rank cp // 2) and
+    the attention strategy the model resolved (rows without one ran Ulysses)."""
     points = []
     for row in json.loads((REPO / "docs/benchmarks/model_step.json").read_text())["rows"]:
         if row["variant"].startswith("cp_models") and row.get("status") == "ok":
             ckpt = "ckpt" in row["variant"]
-            points.append((row["shape"], row["seq_len"], 1, ckpt, row["peak_gib"], row["run"], None, "ulysses"))
+            points.append((row["shape"], row["seq_len"], 1, ckpt, row["peak_gib"], None, "ulysses"))
     for path in sorted((REPO / "docs/benchmarks").glob("simulated_scale_*.json")):
         for row in json.loads(path.read_text())["rows"]:
             if row.get("status") == "ok" and row.get("peak_gib"):
                 ckpt = row["variant"].endswith("act. ckpt")
                 rank = row.get("rank", row["cp"] // 2) if row["cp"] > 1 else None
                 attention = row.get("attention") or "ulysses"
-                points.append(
-                    (row["shape"], row["seq_len"], row["cp"], ckpt, row["peak_gib"], row["run"], rank, attention)
-                )
+                points.append((row["shape"], row["seq_len"], row["cp"], ckpt, row["peak_gib"], rank, attention))
     return points
 
 
-def _benchmark_shapes(names) -> dict:
-    """The transformers configs of benchmark shapes, from benchmarks/model_step.py's own loader."""
+@functools.cache
+def _benchmark_shape(name: str):
+    """The transformers config of a benchmark shape, from benchmarks/model_step.py's own loader."""
     spec = importlib.util.spec_from_file_location("model_step", REPO / "benchmarks/model_step.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return {name: module.load_shape(name) for name in names}
+    return module.load_shape(name)
 
 
-def _chunked_loss_workspace_bytes(vocab, hidden, local_tokens, elem, tile=None, weight_grad=True) -> float:
-    """The loss workspace of the code before TILED_LOSS_RUN: chunks of 2**28 // vocab tokens over the whole
-    vocabulary, an fp32 [vocab, hidden] weight-gradient accumulator (always, as that code did), two fp32 and two bf16
-    chunks of logits."""
-    chunk = min(max(1, (1 << 28) // vocab), local_tokens)
-    return vocab * hidden * 4 + 2 * chunk * vocab * 4 + 2 * chunk * vocab * elem
+def _benchmark_shapes(names) -> dict:
+    return {name: _benchmark_shape(name) for name in names}
 
 
-def _as_before_the_tiled_loss(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The planner as it modelled the code that rows recorded before TILED_LOSS_RUN ran: the chunked loss, the MoE
-    combine by index_add_ (which keeps the weighted expert outputs: one more [T x top_k, dim] tensor, fp32 in
-    Nemotron-H), no log-sum-exp kept per token. Every other term is today's, so those rows still test it."""
-    coefficients = plan.ACTIVATION_COEFFICIENTS
-    monkeypatch.setattr(plan, "loss_workspace_bytes", _chunked_loss_workspace_bytes)
-    monkeypatch.setitem(coefficients["qwen3_5.moe"]["saved"], "topk_dim", 3)
-    monkeypatch.setitem(coefficients["nemotron_h.moe"]["saved"], "topk_dim_f32", 1)
-    for family in ("qwen3_5", "nemotron_h"):
-        monkeypatch.setitem(coefficients[f"{family}.model"]["saved"], "rows_f32", 1)
+RECORDED_PEAKS = _recorded_h200_peaks()
 
 
-RECOMPUTED_MLP_RUN = "2026-12-04m"
-"""The first GPU run of the MLPs that recompute their activation in backward (cp_models.common.swiglu_linear,
-squared_relu_linear); rows recorded before it ran MLPs whose autograd kept the activation and the product."""
-
-
-def _as_before_the_recomputed_mlp(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The planner as it modelled the MLPs of rows recorded before RECOMPUTED_MLP_RUN: the plain expression's saved
-    set (``plan.PLAIN_MLP_EXTRA_SAVED`` on top: Qwen3.5 4 units, Nemotron-H 2, the MoE shared experts likewise) and
-    a backward transient of 2 units."""
-    coefficients = plan.ACTIVATION_COEFFICIENTS
-    for part, extra in plan.PLAIN_MLP_EXTRA_SAVED.items():
-        saved = coefficients[part]["saved"]
-        for width, units in extra.items():
-            monkeypatch.setitem(saved, width, saved[width] + units)
-    for part in ("qwen3_5.mlp", "nemotron_h.mlp"):
-        monkeypatch.setitem(coefficients[part]["transient"], "intermediate", 2)
-
-
-SEGMENTED_PREPASS_RUN = "2026-12-04s"
-"""The first GPU run of GDN's pre-pass in checkpointed segments (cp_core.gated_delta.PREPASS_SEGMENT_TOKENS); rows
-recorded before it ran a pre-pass that kept its own activations."""
-
-
-def _as_before_the_segmented_prepass(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The planner as it modelled the pre-pass of rows recorded before SEGMENTED_PREPASS_RUN: a second set of normed
-    q/k, v (plus K identity columns where the state passes through), A, the rstd and g, kept for backward."""
-    saved = {"gdn_k": 2, "gdn_v": 1, "gdn_through_v": 1, "gdn_chunk_a": 1, "gdn_kheads_f32": 2, "gdn_vheads_f32": 1}
-    monkeypatch.setitem(plan.ACTIVATION_COEFFICIENTS["qwen3_5.gdn_prepass"], "saved", saved)
-
-
-SHARED_PREPASS_INPUTS_RUN = "2026-12-05"
-"""From here (no GPU run yet) the pre-pass reads the normalized q, k and contiguous v that GDN's main kernel keeps;
-rows recorded before it ran segments that read q, k, v as views of the conv output and so kept that tensor."""
-
-
-def _as_before_the_shared_prepass_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The planner as it modelled the segmented pre-pass of rows recorded before SHARED_PREPASS_INPUTS_RUN: the conv
-    output (gdn_conv 1) kept on top of g."""
-    saved = {"gdn_conv": 1, "gdn_vheads_f32": 1}
-    monkeypatch.setitem(plan.ACTIVATION_COEFFICIENTS["qwen3_5.gdn_prepass"], "saved", saved)
-
-
-def test_memory_model_is_within_fifteen_percent_of_every_recorded_h200_peak(monkeypatch):
-    """The planner's per-rank total (weights, gradients, activations, workspace; no optimizer: the benchmarks'
-    setting) against torch.cuda.max_memory_allocated of every recorded step: unsharded, all shapes, with and
-    without checkpointing, 8k to 2M tokens, and one rank's share at cp 2 .. 64 on a fake group (cp 16 .. 64 with
-    all-gathered and with ring-passed KV), estimated for the rank and attention strategy it ran (rank cp // 2
-    unless the row names another: at cp 2 the last, which runs no GDN pre-pass; at cp >= 4 a middle one, through
-    which the state passes). Rows recorded before TILED_LOSS_RUN, RECOMPUTED_MLP_RUN, SEGMENTED_PREPASS_RUN or
-    SHARED_PREPASS_INPUTS_RUN are estimated as the planner modelled their code."""
-    points = _recorded_h200_peaks()
-    shapes = {p[0] for p in points}
+def test_the_recorded_peaks_cover_every_shape_and_strategy():
+    """The whole-step memory test below sees every benchmark shape unsharded with and without checkpointing, and
+    one rank's share from cp 8 to 64 under Ulysses, all-gathered KV and ring-passed KV."""
+    shapes = {p[0] for p in RECORDED_PEAKS}
     assert {"qwen3_5-0.8b", "qwen3_5-2b", "nemotron_h-nano-8l", "qwen3_5-35b-a3b-8l"} <= shapes
-    assert sum(p[2] == 1 for p in points) >= 14 and {p[2] for p in points} >= {2, 4, 8}
-    assert sum(p[5] >= TILED_LOSS_RUN for p in points) >= 14  # most points ran today's code
-    assert sum(p[5] >= RECOMPUTED_MLP_RUN for p in points) >= 14  # the recomputing MLPs, every Qwen3.5 shape
-    assert {p[2] for p in points if p[7] == "kv_gather"} >= {16, 32, 64}  # all-gathered KV past Ulysses' limit
-    assert {p[2] for p in points if p[7] == "kv_ring"} >= {16, 32, 64}  # ring-passed KV (2026-12-05a)
-    assert {p[2] for p in points if p[5] >= SEGMENTED_PREPASS_RUN} >= {1, 4, 8, 16, 32, 64}  # the segmented pre-pass
-    configs = _benchmark_shapes(shapes)
-    errors = []
-    for shape, seq_len, cp, ckpt, measured, run, rank, attention in points:
-        with monkeypatch.context() as patch:
-            if run < TILED_LOSS_RUN:
-                _as_before_the_tiled_loss(patch)
-            if run < RECOMPUTED_MLP_RUN:
-                _as_before_the_recomputed_mlp(patch)
-            if run < SHARED_PREPASS_INPUTS_RUN:
-                _as_before_the_shared_prepass_inputs(patch)
-            if run < SEGMENTED_PREPASS_RUN:
-                _as_before_the_segmented_prepass(patch)
-            est = plan.estimate_memory(
-                configs[shape], seq_len, cp, activation_checkpointing=ckpt, optimizer=False, rank=rank,
-                attention_cp=attention,
-            )  # fmt: skip
-        errors.append((est.total / GIB / measured - 1, shape, seq_len, cp, ckpt, measured, est.total / GIB, run))
-    worst = max(errors, key=lambda e: abs(e[0]))
-    assert abs(worst[0]) <= 0.15, f"worst (relative error, shape, S, cp, ckpt, measured, estimated, run): {worst}"
+    assert sum(p[2] == 1 for p in RECORDED_PEAKS) >= 14
+    assert {p[2] for p in RECORDED_PEAKS if p[6] == "ulysses"} >= {1, 8}
+    assert {p[2] for p in RECORDED_PEAKS if p[6] == "kv_gather"} >= {16, 32, 64}
+    assert {p[2] for p in RECORDED_PEAKS if p[6] == "kv_ring"} >= {16, 32, 64}
+
+
+@pytest.mark.parametrize(
+    "point",
+    RECORDED_PEAKS,
+    ids=[f"{p[0]}-S{p[1]}-cp{p[2]}-{'ckpt' if p[3] else 'full'}-{p[6]}" for p in RECORDED_PEAKS],
+)
+def test_memory_model_is_within_fifteen_percent_of_a_recorded_h200_peak(point):
+    """The planner's per-rank total (weights, gradients, activations, workspace; no optimizer: the benchmarks'
+    setting) against torch.cuda.max_memory_allocated of one recorded step: unsharded (8k to 128k tokens, with and
+    without checkpointing) or one rank's share at cp 8 .. 64 on a fake group, estimated for the rank and attention
+    strategy it ran (at cp >= 4 a middle rank, through which the state passes)."""
+    shape, seq_len, cp, ckpt, measured, rank, attention = point
+    est = plan.estimate_memory(
+        _benchmark_shape(shape), seq_len, cp, activation_checkpointing=ckpt, optimizer=False, rank=rank,
+        attention_cp=attention,
+    )  # fmt: skip
+    assert est.total / GIB == pytest.approx(measured, rel=0.15), (est.total / GIB, measured)
 
 
 def test_the_busiest_rank_is_the_largest_estimate():
     """The default estimate (rank None) is the busiest rank's: at least every single rank's. For Qwen3.5 the ranks
     that run GDN's pre-pass (0 .. cp-2) keep its g; the segmented pre-pass keeps nothing else of its own, so they
-    estimate alike, K identity columns or not; the last rank keeps less. Under the unsegmented pre-pass the middle
-    ranks were the busiest."""
+    estimate alike, K identity columns or not; the last rank keeps less."""
     config = shipped("qwen3_5-0.8b")
     kw = dict(activation_checkpointing=True, optimizer=False)
     for cp in (2, 4, 8):
@@ -484,10 +415,6 @@ def test_the_busiest_rank_is_the_largest_estimate():
         assert len(set(ranks[:-1])) == 1
         # At cp 8 the attention layer (KV replicated to 8 heads) is every rank's largest, so the last rank ties.
         assert ranks[0] > ranks[-1] or cp == 8
-    with pytest.MonkeyPatch.context() as patch:
-        _as_before_the_segmented_prepass(patch)
-        ranks = [plan.estimate_memory(config, 65536 * 4, 4, rank=r, **kw).total for r in range(4)]
-        assert ranks[1] == ranks[2] == plan.estimate_memory(config, 65536 * 4, 4, **kw).total > ranks[0] > ranks[3]
     with pytest.raises(ValueError, match="rank=4 is not a rank of cp=4"):
         plan.estimate_memory(config, 4096, 4, activation_checkpointing=True, rank=4)
 
