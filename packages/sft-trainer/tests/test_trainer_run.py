@@ -157,7 +157,7 @@ def test_a_stop_waits_for_rank_0_to_say_why(tmp_path):
 @pytest.mark.parametrize("start", ["run._spawned(0, None, 1, 0)", "run.launch(None)"], ids=["spawned", "torchrun"])
 def test_worker_keeps_its_exit_code_and_message(start, body, code, stderr_has, traceback):
     """A worker (spawned, or started by torchrun: RANK set) leaves through os._exit on every path, since a gloo
-    thread at interpreter teardown aborted about one run in ten with SIGABRT, which the launcher reported as a
+    thread at interpreter teardown can abort the process with SIGABRT, which the launcher would report as a
     crash: the code, the SystemExit message and an unexpected error's traceback must all survive that exit."""
     script = (
         "import sft_trainer.run as run\n"

@@ -56,8 +56,8 @@ def _spawned(rank: int, cfg, world: int, port: int, beats=None) -> None:
 def run_worker_then_exit(cfg) -> NoReturn:
     """Run this process's worker, then end the process with its exit code (a spawned or a torchrun worker)."""
     # Every way out leaves without the interpreter's teardown: at finalization a gloo worker thread can still be
-    # joinable, and about one run in ten then died with SIGABRT ("terminate called without an active exception"),
-    # after finishing or after a clean one-line stop, so the launcher reported a crash instead of the stop. The
+    # joinable, and the process can then die with SIGABRT ("terminate called without an active exception"),
+    # after finishing or after a clean one-line stop, so the launcher would report a crash instead of the stop. The
     # exit code and the message (or traceback) are kept; the launcher reports the code.
     code = 0
     try:

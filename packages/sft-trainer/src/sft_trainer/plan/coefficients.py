@@ -45,9 +45,7 @@ ACTIVATION_COEFFICIENTS: dict[str, dict[str, dict[str, float]]] = {
     # contiguous v the main kernel keeps anyway, and beta, also fla's; only g is its own (gdn_vheads_f32 1). Its
     # backward, one segment at a time, runs after the main pass's backward has freed that kernel's saved set and
     # chunk states, which a segment's (at most T tokens, v widened by K identity columns where the state passes
-    # through) do not exceed by more than the width. tests/test_trainer_plan.py keeps the two earlier models for
-    # the rows recorded with them: a second set of GDN activations (before the segments), then the whole conv
-    # output q, k, v were views of (segments reading the raw views, 2026-12-04s).
+    # through) do not exceed by more than the width.
     "qwen3_5.gdn_prepass": {"saved": {"gdn_vheads_f32": 1}, "transient": {}},
     # Gated softmax attention (torch varlen attention / flash, fla RMSNorm for q/k):
     #   hidden 1: normed input of q/k/v_proj; attn_q 5: q_proj's [query | gate] output (2, kept by q_norm, which
@@ -55,19 +53,20 @@ ACTIVATION_COEFFICIENTS: dict[str, dict[str, dict[str, float]]] = {
     #   (kept by k_norm); attn_gathered 1: q, k, v after the Ulysses exchange, (Hq + 2 max(Hkv, cp)) D (at cp 1 the
     #   rotated q, k and v); attn_q_cp 1: the output after the exchange back (cp > 1 only; at cp 1 it is the
     #   attention output itself); q_heads_f32 2: the softmax log-sum-exp and q_norm's rstd; kv_heads_f32 1: k_norm's.
-    # Transient: dq/dk/dv in the gathered layout and their exchange buffers, the output gradient (attn_q 2; 3 before
-    # 2026-12-04s, when no measured peak of 4 .. 16 ranks at 32k tokens a rank was the attention layer's: each
-    # equalled the GDN-bound peak within 0.05 GiB, below the 3-unit estimate), fp32 dq accumulator.
+    # Transient: dq/dk/dv in the gathered layout and their exchange buffers, the output gradient (attn_q 2: no
+    # measured peak at 8 .. 16 ranks and 32k tokens a rank is the attention layer's; each equals the GDN-bound peak
+    # within 0.05 GiB), fp32 dq accumulator.
     # All-gathered KV (attn_kv_row, 0 under Ulysses): the gathered row's k|v, saved 1; backward 0.3: the per-KV-head
     # key / value gradients over a rank's key range (one query head per kernel call, so flash-attn 2 never expands
     # them to [keys, Hq, D]), then the gather's one zeroed row buffer for the reduce-scatter once the saved row is
     # freed. Measured on the H200 (0.8B, 32k tokens a rank, middle rank): 1M / cp 32 and 2M / cp 64 peaked 2.2 and
-    # 4.8 GiB above the 6.7 GiB of 128k / cp 4, for 2 and 4 GiB of row: 1.3 units; 512k / cp 16 (1 GiB) did not rise.
+    # 4.8 GiB above the 6.7 GiB of 512k / cp 16, for 2 and 4 GiB of row: 1.3 units; 512k / cp 16 (1 GiB) did not rise.
     # Ring-passed KV (cp_core.kv_ring; attn_kv_row 0): attn_gathered is the kernel's q (the swapped queries) and the
     # rank's own rotated k, v, (Hq + 2 Hkv) D, saved 1 with the fp32 log-sum-exp (q_heads_f32, as every path);
     # transient attn_kv_blocks 1, at most 16 Hkv D in the activation dtype: in backward the block in use and the one
     # arriving (2 x 2), the rank's fp32 share of the block's k / v gradients (4), the gradients received, the ones
-    # still going out and the new ones (3 x 2). Modelled from the code, not yet measured on the GPU.
+    # still going out and the new ones (3 x 2). Modelled from the code; on the H200 (0.8B, 32k tokens a rank) 512k /
+    # cp 16, 1M / cp 32 and 2M / cp 64 peak at 6.71 GiB each, the estimate 7.16 GiB.
     "qwen3_5.attention": {
         "saved": {
             "hidden": 1,
