@@ -187,9 +187,10 @@ def planned_bytes_sent(config, seq_len: int, cp: int, recompute: bool, attention
     """Bytes the busiest rank sends per step by ``sft_trainer.plan``'s closed forms (every layer kind, bf16): at
     cp >= 4 what rank cp // 2 sends; at cp = 2 rank 1 is the last rank and sends a little less (no halo forward)."""
     from sft_trainer import plan
+    from sft_trainer.plan.build import _layer_rows
 
     per_token = plan.activation_bytes_per_token(config, cp, attention_cp=attention_cp)
-    rows = plan._layer_rows(config, seq_len, cp, "state_passing", 2, recompute, per_token, attention_cp)
+    rows = _layer_rows(config, seq_len, cp, "state_passing", 2, recompute, per_token, attention_cp)
     return int(sum(r["bytes"] for r in rows))
 
 

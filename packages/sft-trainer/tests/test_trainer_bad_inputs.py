@@ -15,8 +15,8 @@ import time
 import pytest
 from trainer_runs import one_line_failure, sft_train
 
+from sft_trainer.cli import main
 from sft_trainer.config import SHIPPED_TOKENIZER
-from sft_trainer.run import main
 
 # (case id, overrides, fragment of the message); every case must stop in main, before a worker starts
 PRE_LAUNCH = [

@@ -15,8 +15,8 @@ import transformers
 from packaging.version import Version
 from trainer_runs import _train, _weights
 
+from sft_trainer.cli import plan_main
 from sft_trainer.config import tiny_qwen35_config
-from sft_trainer.plan import main as plan_main
 from sft_trainer.tokenizer_fit import load_tokenizer
 
 

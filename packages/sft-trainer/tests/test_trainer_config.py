@@ -573,7 +573,7 @@ def test_a_key_that_needs_a_value_says_so():
 
 
 def test_config_given_twice_or_without_a_file_is_refused():
-    from sft_trainer.plan import split_config_argument
+    from sft_trainer.cli import split_config_argument
 
     assert split_config_argument(["--a", "1", "--config=x.toml", "--b"]) == ("x.toml", ["--a", "1", "--b"])
     with pytest.raises(ConfigError, match=r"--config given twice \('tiny_cpu' and 'tiny_vl_cpu'\)"):
@@ -585,8 +585,8 @@ def test_config_given_twice_or_without_a_file_is_refused():
 
 @pytest.mark.parametrize("command", [[], ["plan"]])
 def test_help_lists_every_key_with_its_default(capsys, command):
+    from sft_trainer.cli import main
     from sft_trainer.config import TrainConfig
-    from sft_trainer.run import main
 
     main([*command, "--config", "tiny_cpu", "--help"])  # anywhere on the line
     out = capsys.readouterr().out
@@ -660,7 +660,7 @@ def test_special_tokens_outside_the_vocabulary_are_refused(tmp_path):
 
 
 def test_a_checkpoint_run_without_config_starts_from_the_schema_defaults(model_files, capsys):
-    from sft_trainer.run import main
+    from sft_trainer.cli import main
 
     tiny = load_config(None, [])
     assert (tiny.parallel.cp, tiny.train.lr, tiny.train.warmup_steps) == (2, 3e-3, 4)

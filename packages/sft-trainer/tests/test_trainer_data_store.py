@@ -286,7 +286,7 @@ def test_lazy_images_equal_eager_ones(tmp_path):
 
 
 def test_plan_states_the_packing_efficiency_from_the_cache(tmp_path, tokenizer, capsys):
-    from sft_trainer.plan import main as plan_main
+    from sft_trainer.cli import plan_main
 
     args = ["--data.cache_dir", str(tmp_path), "--data.seq_len", "256"]
     assert plan_main(args)["data"]["cached"] is False

@@ -16,8 +16,8 @@ import pytest
 from faults import fault_env
 from trainer_runs import one_line_failure, sft_train
 
+from sft_trainer.cli import main
 from sft_trainer.config import load_config
-from sft_trainer.run import main
 from sft_trainer.run_folder import LOCK_NAME, hold_run_folders
 
 LONG = ("--parallel.cp", "2", "--data.seq_len", "64", "--train.steps", "100000", "--train.warmup_steps", "0",
@@ -25,7 +25,7 @@ LONG = ("--parallel.cp", "2", "--data.seq_len", "64", "--train.steps", "100000",
 
 
 def _start(out: Path, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-c", "from sft_trainer.run import main; main()", "--output_dir", str(out), *LONG, *extra]
+    cmd = [sys.executable, "-c", "from sft_trainer.cli import main; main()", "--output_dir", str(out), *LONG, *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -102,7 +102,7 @@ def test_an_unreachable_hub_is_one_line_naming_the_id(tmp_path, monkeypatch):
 
 def test_sft_train_stops_before_any_worker_on_an_uncached_id_offline(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
-    cmd = [sys.executable, "-c", "from sft_trainer.run import main; main()", "--model.path", "no-org/no-model"]
+    cmd = [sys.executable, "-c", "from sft_trainer.cli import main; main()", "--model.path", "no-org/no-model"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     problems = [line for line in proc.stderr.splitlines() if "no-org/no-model" in line]

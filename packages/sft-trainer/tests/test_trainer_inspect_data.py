@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
+from sft_trainer.cli import main as run_main
 from sft_trainer.config import load_config
 from sft_trainer.data import IGNORE_INDEX, VisionTokens, tiny_chat_path, tiny_vl_processor_dir
 from sft_trainer.inspect_data import LOSS_OFF, LOSS_ON, inspect, render_document
-from sft_trainer.run import main as run_main
 from sft_trainer.tokenizer_fit import load_tokenizer
 
 ARGS = ["--data.seq_len", "128", "--data.num_proc", "1"]

@@ -42,7 +42,7 @@ def _run(out, *overrides):
     cmd = [
         sys.executable,
         "-c",
-        "from sft_trainer.run import main; main()",
+        "from sft_trainer.cli import main; main()",
         "--output_dir",
         str(out),
         "--train.steps",

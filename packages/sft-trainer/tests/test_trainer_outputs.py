@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from sft_trainer.checkpoint import rng_state, write_extra_state
+from sft_trainer.checkpoint import check_resume, resume_checkpoint, rng_state, write_extra_state
+from sft_trainer.cli import main
 from sft_trainer.config import load_config, tiny_qwen35_config
-from sft_trainer.run import check_resume, main, resume_checkpoint, set_aside_previous_run
+from sft_trainer.run_folder import set_aside_previous_run
 
 
 def fake_checkpoint(folder: Path, step: int, ranks: int, train_steps: int = 40, grad_accum: int = 2) -> Path:

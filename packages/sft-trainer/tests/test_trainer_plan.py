@@ -4,6 +4,7 @@ the numbers that fix them, and the CLI prints a table and JSON."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import re
@@ -27,6 +28,7 @@ from cp_models import (
 from cp_models.nemotron_h import NemotronHBlock
 from cp_models.qwen3_5 import Qwen35DecoderLayer, Qwen35Rotary
 from sft_trainer import plan
+from sft_trainer.cli import main as run_main
 from sft_trainer.config import (
     LINEAR_NAMES,
     LoraConfig,
@@ -37,7 +39,6 @@ from sft_trainer.config import (
     tiny_qwen35_config,
 )
 from sft_trainer.lora import apply_lora
-from sft_trainer.run import main as run_main
 
 SHAPES = ("qwen3_5-0.8b", "qwen3_5-2b", "qwen3_5-35b-a3b", "nemotron_h-nano-30b-a3b")
 GIB = 2**30
@@ -338,145 +339,75 @@ def test_does_not_fit_suggests_the_ring(capsys):
 REPO = Path(__file__).resolve().parents[3]
 
 
-TILED_LOSS_RUN = "2026-12-03e"
-"""The first GPU run of the tiled loss and the weighted MoE combine; rows recorded before it ran the older code."""
-
-
-def _recorded_h200_peaks() -> list[tuple[str, int, int, bool, float, str, int | None, str]]:
+def _recorded_h200_peaks() -> list[tuple[str, int, int, bool, float, int | None, str]]:
     """Every current cp_models peak recorded on the H200 (docs/benchmarks/*.json): (shape, S, cp, checkpointing,
-    GiB, run, simulated rank, attention strategy). Rows measured again after a code change carry a "superseded"
-    status and are left out. Simulated rows name their rank (rows without one were rank cp // 2) and, since
-    all-gathered KV exists, the attention strategy the model resolved (rows without one ran Ulysses)."""
+    GiB, simulated rank, attention strategy). Rows that measured code since changed in what they keep carry a
+    "superseded" status and are left out. Simulated rows name their rank (rows without one were rank cp // 2) and
+    the attention strategy the model resolved (rows without one ran Ulysses)."""
     points = []
     for row in json.loads((REPO / "docs/benchmarks/model_step.json").read_text())["rows"]:
         if row["variant"].startswith("cp_models") and row.get("status") == "ok":
             ckpt = "ckpt" in row["variant"]
-            points.append((row["shape"], row["seq_len"], 1, ckpt, row["peak_gib"], row["run"], None, "ulysses"))
+            points.append((row["shape"], row["seq_len"], 1, ckpt, row["peak_gib"], None, "ulysses"))
     for path in sorted((REPO / "docs/benchmarks").glob("simulated_scale_*.json")):
         for row in json.loads(path.read_text())["rows"]:
             if row.get("status") == "ok" and row.get("peak_gib"):
                 ckpt = row["variant"].endswith("act. ckpt")
                 rank = row.get("rank", row["cp"] // 2) if row["cp"] > 1 else None
                 attention = row.get("attention") or "ulysses"
-                points.append(
-                    (row["shape"], row["seq_len"], row["cp"], ckpt, row["peak_gib"], row["run"], rank, attention)
-                )
+                points.append((row["shape"], row["seq_len"], row["cp"], ckpt, row["peak_gib"], rank, attention))
     return points
 
 
-def _benchmark_shapes(names) -> dict:
-    """The transformers configs of benchmark shapes, from benchmarks/model_step.py's own loader."""
+@functools.cache
+def _benchmark_shape(name: str):
+    """The transformers config of a benchmark shape, from benchmarks/model_step.py's own loader."""
     spec = importlib.util.spec_from_file_location("model_step", REPO / "benchmarks/model_step.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return {name: module.load_shape(name) for name in names}
+    return module.load_shape(name)
 
 
-def _chunked_loss_workspace_bytes(vocab, hidden, local_tokens, elem, tile=None, weight_grad=True) -> float:
-    """The loss workspace of the code before TILED_LOSS_RUN: chunks of 2**28 // vocab tokens over the whole
-    vocabulary, an fp32 [vocab, hidden] weight-gradient accumulator (always, as that code did), two fp32 and two bf16
-    chunks of logits."""
-    chunk = min(max(1, (1 << 28) // vocab), local_tokens)
-    return vocab * hidden * 4 + 2 * chunk * vocab * 4 + 2 * chunk * vocab * elem
+def _benchmark_shapes(names) -> dict:
+    return {name: _benchmark_shape(name) for name in names}
 
 
-def _as_before_the_tiled_loss(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The planner as it modelled the code that rows recorded before TILED_LOSS_RUN ran: the chunked loss, the MoE
-    combine by index_add_ (which keeps the weighted expert outputs: one more [T x top_k, dim] tensor, fp32 in
-    Nemotron-H), no log-sum-exp kept per token. Every other term is today's, so those rows still test it."""
-    coefficients = plan.ACTIVATION_COEFFICIENTS
-    monkeypatch.setattr(plan, "loss_workspace_bytes", _chunked_loss_workspace_bytes)
-    monkeypatch.setitem(coefficients["qwen3_5.moe"]["saved"], "topk_dim", 3)
-    monkeypatch.setitem(coefficients["nemotron_h.moe"]["saved"], "topk_dim_f32", 1)
-    for family in ("qwen3_5", "nemotron_h"):
-        monkeypatch.setitem(coefficients[f"{family}.model"]["saved"], "rows_f32", 1)
+RECORDED_PEAKS = _recorded_h200_peaks()
 
 
-RECOMPUTED_MLP_RUN = "2026-12-04m"
-"""The first GPU run of the MLPs that recompute their activation in backward (cp_models.common.swiglu_linear,
-squared_relu_linear); rows recorded before it ran MLPs whose autograd kept the activation and the product."""
-
-
-def _as_before_the_recomputed_mlp(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The planner as it modelled the MLPs of rows recorded before RECOMPUTED_MLP_RUN: the plain expression's saved
-    set (``plan.PLAIN_MLP_EXTRA_SAVED`` on top: Qwen3.5 4 units, Nemotron-H 2, the MoE shared experts likewise) and
-    a backward transient of 2 units."""
-    coefficients = plan.ACTIVATION_COEFFICIENTS
-    for part, extra in plan.PLAIN_MLP_EXTRA_SAVED.items():
-        saved = coefficients[part]["saved"]
-        for width, units in extra.items():
-            monkeypatch.setitem(saved, width, saved[width] + units)
-    for part in ("qwen3_5.mlp", "nemotron_h.mlp"):
-        monkeypatch.setitem(coefficients[part]["transient"], "intermediate", 2)
-
-
-SEGMENTED_PREPASS_RUN = "2026-12-04s"
-"""The first GPU run of GDN's pre-pass in checkpointed segments (cp_core.gated_delta.PREPASS_SEGMENT_TOKENS); rows
-recorded before it ran a pre-pass that kept its own activations."""
-
-
-def _as_before_the_segmented_prepass(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The planner as it modelled the pre-pass of rows recorded before SEGMENTED_PREPASS_RUN: a second set of normed
-    q/k, v (plus K identity columns where the state passes through), A, the rstd and g, kept for backward."""
-    saved = {"gdn_k": 2, "gdn_v": 1, "gdn_through_v": 1, "gdn_chunk_a": 1, "gdn_kheads_f32": 2, "gdn_vheads_f32": 1}
-    monkeypatch.setitem(plan.ACTIVATION_COEFFICIENTS["qwen3_5.gdn_prepass"], "saved", saved)
-
-
-SHARED_PREPASS_INPUTS_RUN = "2026-12-05"
-"""From here (no GPU run yet) the pre-pass reads the normalized q, k and contiguous v that GDN's main kernel keeps;
-rows recorded before it ran segments that read q, k, v as views of the conv output and so kept that tensor."""
-
-
-def _as_before_the_shared_prepass_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The planner as it modelled the segmented pre-pass of rows recorded before SHARED_PREPASS_INPUTS_RUN: the conv
-    output (gdn_conv 1) kept on top of g."""
-    saved = {"gdn_conv": 1, "gdn_vheads_f32": 1}
-    monkeypatch.setitem(plan.ACTIVATION_COEFFICIENTS["qwen3_5.gdn_prepass"], "saved", saved)
-
-
-def test_memory_model_is_within_fifteen_percent_of_every_recorded_h200_peak(monkeypatch):
-    """The planner's per-rank total (weights, gradients, activations, workspace; no optimizer: the benchmarks'
-    setting) against torch.cuda.max_memory_allocated of every recorded step: unsharded, all shapes, with and
-    without checkpointing, 8k to 2M tokens, and one rank's share at cp 2 .. 64 on a fake group (cp 16 .. 64 with
-    all-gathered and with ring-passed KV), estimated for the rank and attention strategy it ran (rank cp // 2
-    unless the row names another: at cp 2 the last, which runs no GDN pre-pass; at cp >= 4 a middle one, through
-    which the state passes). Rows recorded before TILED_LOSS_RUN, RECOMPUTED_MLP_RUN, SEGMENTED_PREPASS_RUN or
-    SHARED_PREPASS_INPUTS_RUN are estimated as the planner modelled their code."""
-    points = _recorded_h200_peaks()
-    shapes = {p[0] for p in points}
+def test_the_recorded_peaks_cover_every_shape_and_strategy():
+    """The whole-step memory test below sees every benchmark shape unsharded with and without checkpointing, and
+    one rank's share from cp 8 to 64 under Ulysses, all-gathered KV and ring-passed KV."""
+    shapes = {p[0] for p in RECORDED_PEAKS}
     assert {"qwen3_5-0.8b", "qwen3_5-2b", "nemotron_h-nano-8l", "qwen3_5-35b-a3b-8l"} <= shapes
-    assert sum(p[2] == 1 for p in points) >= 14 and {p[2] for p in points} >= {2, 4, 8}
-    assert sum(p[5] >= TILED_LOSS_RUN for p in points) >= 14  # most points ran today's code
-    assert sum(p[5] >= RECOMPUTED_MLP_RUN for p in points) >= 14  # the recomputing MLPs, every Qwen3.5 shape
-    assert {p[2] for p in points if p[7] == "kv_gather"} >= {16, 32, 64}  # all-gathered KV past Ulysses' limit
-    assert {p[2] for p in points if p[7] == "kv_ring"} >= {16, 32, 64}  # ring-passed KV (2026-12-05a)
-    assert {p[2] for p in points if p[5] >= SEGMENTED_PREPASS_RUN} >= {1, 4, 8, 16, 32, 64}  # the segmented pre-pass
-    configs = _benchmark_shapes(shapes)
-    errors = []
-    for shape, seq_len, cp, ckpt, measured, run, rank, attention in points:
-        with monkeypatch.context() as patch:
-            if run < TILED_LOSS_RUN:
-                _as_before_the_tiled_loss(patch)
-            if run < RECOMPUTED_MLP_RUN:
-                _as_before_the_recomputed_mlp(patch)
-            if run < SHARED_PREPASS_INPUTS_RUN:
-                _as_before_the_shared_prepass_inputs(patch)
-            if run < SEGMENTED_PREPASS_RUN:
-                _as_before_the_segmented_prepass(patch)
-            est = plan.estimate_memory(
-                configs[shape], seq_len, cp, activation_checkpointing=ckpt, optimizer=False, rank=rank,
-                attention_cp=attention,
-            )  # fmt: skip
-        errors.append((est.total / GIB / measured - 1, shape, seq_len, cp, ckpt, measured, est.total / GIB, run))
-    worst = max(errors, key=lambda e: abs(e[0]))
-    assert abs(worst[0]) <= 0.15, f"worst (relative error, shape, S, cp, ckpt, measured, estimated, run): {worst}"
+    assert sum(p[2] == 1 for p in RECORDED_PEAKS) >= 14
+    assert {p[2] for p in RECORDED_PEAKS if p[6] == "ulysses"} >= {1, 8}
+    assert {p[2] for p in RECORDED_PEAKS if p[6] == "kv_gather"} >= {16, 32, 64}
+    assert {p[2] for p in RECORDED_PEAKS if p[6] == "kv_ring"} >= {16, 32, 64}
+
+
+@pytest.mark.parametrize(
+    "point",
+    RECORDED_PEAKS,
+    ids=[f"{p[0]}-S{p[1]}-cp{p[2]}-{'ckpt' if p[3] else 'full'}-{p[6]}" for p in RECORDED_PEAKS],
+)
+def test_memory_model_is_within_fifteen_percent_of_a_recorded_h200_peak(point):
+    """The planner's per-rank total (weights, gradients, activations, workspace; no optimizer: the benchmarks'
+    setting) against torch.cuda.max_memory_allocated of one recorded step: unsharded (8k to 128k tokens, with and
+    without checkpointing) or one rank's share at cp 8 .. 64 on a fake group, estimated for the rank and attention
+    strategy it ran (at cp >= 4 a middle rank, through which the state passes)."""
+    shape, seq_len, cp, ckpt, measured, rank, attention = point
+    est = plan.estimate_memory(
+        _benchmark_shape(shape), seq_len, cp, activation_checkpointing=ckpt, optimizer=False, rank=rank,
+        attention_cp=attention,
+    )  # fmt: skip
+    assert est.total / GIB == pytest.approx(measured, rel=0.15), (est.total / GIB, measured)
 
 
 def test_the_busiest_rank_is_the_largest_estimate():
     """The default estimate (rank None) is the busiest rank's: at least every single rank's. For Qwen3.5 the ranks
     that run GDN's pre-pass (0 .. cp-2) keep its g; the segmented pre-pass keeps nothing else of its own, so they
-    estimate alike, K identity columns or not; the last rank keeps less. Under the unsegmented pre-pass the middle
-    ranks were the busiest."""
+    estimate alike, K identity columns or not; the last rank keeps less."""
     config = shipped("qwen3_5-0.8b")
     kw = dict(activation_checkpointing=True, optimizer=False)
     for cp in (2, 4, 8):
@@ -486,10 +417,6 @@ def test_the_busiest_rank_is_the_largest_estimate():
         assert len(set(ranks[:-1])) == 1
         # At cp 8 the attention layer (KV replicated to 8 heads) is every rank's largest, so the last rank ties.
         assert ranks[0] > ranks[-1] or cp == 8
-    with pytest.MonkeyPatch.context() as patch:
-        _as_before_the_segmented_prepass(patch)
-        ranks = [plan.estimate_memory(config, 65536 * 4, 4, rank=r, **kw).total for r in range(4)]
-        assert ranks[1] == ranks[2] == plan.estimate_memory(config, 65536 * 4, 4, **kw).total > ranks[0] > ranks[3]
     with pytest.raises(ValueError, match="rank=4 is not a rank of cp=4"):
         plan.estimate_memory(config, 4096, 4, activation_checkpointing=True, rank=4)
 
@@ -709,12 +636,12 @@ def run_plan(capsys, *args):
 
 def test_cli_prints_the_table(capsys):
     out = run_plan(capsys, "--config", "tiny_cpu")
-    config = tiny_qwen35_config(vocab_size=plan._tokenizer_vocab(str(load_config("tiny_cpu").tokenizer_path)))
+    config = tiny_qwen35_config(vocab_size=plan.tokenizer_vocab(str(load_config("tiny_cpu").tokenizer_path)))
     assert "sft-train plan: tiny-qwen3_5 (qwen3_5_text)" in out
     assert f"{plan.count_parameters(config).total:,} parameters" in out
     gdn = plan.gdn_bytes(config, 256, 2, 4)
     row = re.search(r"linear_attention \(Gated DeltaNet\)\s+3\s+conv halo \+ delta-rule state passing\s+(\S+ \S+)", out)
-    assert row and row.group(1) == plan._size(gdn)
+    assert row and row.group(1) == plan.format_size(gdn)
     assert re.search(r"full_attention \(gated softmax attention\)\s+1\s+Ulysses all-to-all, KV heads x1", out)
     assert re.search(r"mlp \(SwiGLU MLP\)\s+4\s+local", out)
     assert "Memory per rank (GiB)" in out and "Longest data.seq_len that fits" in out
@@ -726,7 +653,7 @@ def test_cli_prints_the_table(capsys):
     assert re.search(r"\n\s+8\s+\d+\s+\d+\n", out) and "not valid" not in out
     # The ring: its strategy, bytes and share in the table, every cp valid.
     out = run_plan(capsys, "--config", "tiny_cpu", "--parallel.attention_cp", "kv_ring")
-    config = tiny_qwen35_config(vocab_size=plan._tokenizer_vocab(str(load_config("tiny_cpu").tokenizer_path)))
+    config = tiny_qwen35_config(vocab_size=plan.tokenizer_vocab(str(load_config("tiny_cpu").tokenizer_path)))
     ring = plan.kv_ring_attention_bytes(
         256, 2, config.num_attention_heads, config.num_key_value_heads, config.head_dim, 4
     )
@@ -734,7 +661,7 @@ def test_cli_prints_the_table(capsys):
     row = re.search(
         r"full_attention \(gated softmax attention\)\s+1\s+ring of K\|V blocks, query halves swapped\s+(\S+ \S+)", out
     )
-    assert row and row.group(1) == plan._size(ring)
+    assert row and row.group(1) == plan.format_size(ring)
     assert re.search(r"all-gather 0\.0%, ring \d+\.\d%", out)
 
 
@@ -883,7 +810,7 @@ def test_vl_plan_counts_the_vision_tower(capsys):
 
     result = json.loads(run_plan(capsys, "--config", "tiny_vl_cpu", "--json"))
     cfg = load_config("tiny_vl_cpu")
-    vocab = plan._tokenizer_vocab(cfg.tokenizer_path)
+    vocab = plan.tokenizer_vocab(cfg.tokenizer_path)
     with torch.device("meta"):
         model = Qwen35VLForConditionalGeneration(resolve_model_config(cfg.model, vocab_size=vocab))
     assert result["model"]["parameters"] == sum(p.numel() for p in model.parameters())
@@ -911,7 +838,7 @@ def test_a_gpu_run_warns_before_launch_when_the_plan_does_not_fit(capsys, monkey
     import sft_trainer.run as run
 
     launched = []
-    monkeypatch.setattr(run, "_backend", lambda cfg: "nccl")
+    monkeypatch.setattr(run, "backend_of", lambda cfg: "nccl")
     monkeypatch.setattr(run, "launch", launched.append)
     monkeypatch.setenv("RANK", rank)
     args = ["--config", "tiny_cpu", "--model.config", "qwen3_5-0.8b", "--model.dtype", "bfloat16"]
@@ -933,25 +860,26 @@ def test_a_gpu_run_warns_before_launch_when_the_plan_does_not_fit(capsys, monkey
 
 
 def test_a_cpu_run_skips_the_gpu_plan(capsys, monkeypatch, tmp_path):
+    import sft_trainer.cli as cli
     import sft_trainer.run as run
 
-    monkeypatch.setattr(run, "_backend", lambda cfg: "gloo")
+    monkeypatch.setattr(run, "backend_of", lambda cfg: "gloo")
     monkeypatch.setattr(run, "launch", lambda cfg: None)
-    monkeypatch.setattr(run, "warn_when_plan_does_not_fit", lambda cfg: pytest.fail("planned a CPU run"))
+    monkeypatch.setattr(cli, "warn_when_plan_does_not_fit", lambda cfg: pytest.fail("planned a CPU run"))
     args = ["--model.config", "qwen3_5-0.8b", "--data.seq_len", "1048576", "--output_dir", str(tmp_path)]
     run_main(["--config", "tiny_cpu", *args])
     assert capsys.readouterr().out == ""
 
 
 def test_a_plan_that_cannot_be_built_does_not_stop_the_run(capsys, monkeypatch):
+    import sft_trainer.cli as cli
     import sft_trainer.plan
-    import sft_trainer.run as run
 
     def broken(cfg, **kwargs):
         raise KeyError("hidden_size")
 
     monkeypatch.setattr(sft_trainer.plan, "build_plan", broken)
-    assert run.warn_when_plan_does_not_fit(load_config("tiny_cpu")) is True
+    assert cli.warn_when_plan_does_not_fit(load_config("tiny_cpu")) is True
     assert (
         capsys.readouterr().out == "[sft-train] note: no memory estimate (KeyError: 'hidden_size'); starting anyway\n"
     )

@@ -100,7 +100,7 @@ def test_data_without_rows_stops_with_one_clean_line(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     proc = subprocess.run(
-        [sys.executable, "-c", "from sft_trainer.run import main; main()", "--output_dir", str(tmp_path / "out"),
+        [sys.executable, "-c", "from sft_trainer.cli import main; main()", "--output_dir", str(tmp_path / "out"),
          "--data.path", str(empty), "--data.seq_len", "128"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -110,6 +110,38 @@ def test_data_without_rows_stops_with_one_clean_line(tmp_path):
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert re.search(r"\nsft-train: stopped \(worker \d exited with code 1\)$", proc.stderr.rstrip()), proc.stderr
     assert proc.stderr.count("no packed rows") == 1  # rank 0 says why; the other rank just stops
+
+
+STOPPING_WORKERS = """
+import os, time
+import torch.distributed as dist
+import sft_trainer.run as run
+from sft_trainer.watchdog import run_workers
+
+def target(rank, port, delay, beats):
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo")
+    try:
+        if rank == 0:
+            time.sleep(delay)
+        run._stop(rank, "the reason, said once")
+    finally:
+        dist.destroy_process_group()
+
+def go(delay):
+    run_workers(target, (run._free_port(), delay), 2, 0)
+"""
+
+
+def test_a_stop_waits_for_rank_0_to_say_why(tmp_path):
+    """Rank 1 meets the problem 3 s before rank 0 does: it waits at the stop's barrier until rank 0 has printed the
+    reason, so the launcher (which ends every worker once one ends) never cuts that line off."""
+    (tmp_path / "stopping_workers.py").write_text(STOPPING_WORKERS)
+    script = f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import stopping_workers; stopping_workers.go(3.0)"
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.count("sft-train: the reason, said once\n") == 1, proc.stderr[-2000:]
+    assert re.search(r"sft-train: stopped \(worker \d exited with code 1\)$", proc.stderr.rstrip()), proc.stderr
 
 
 @pytest.mark.parametrize(
@@ -125,7 +157,7 @@ def test_data_without_rows_stops_with_one_clean_line(tmp_path):
 @pytest.mark.parametrize("start", ["run._spawned(0, None, 1, 0)", "run.launch(None)"], ids=["spawned", "torchrun"])
 def test_worker_keeps_its_exit_code_and_message(start, body, code, stderr_has, traceback):
     """A worker (spawned, or started by torchrun: RANK set) leaves through os._exit on every path, since a gloo
-    thread at interpreter teardown aborted about one run in ten with SIGABRT, which the launcher reported as a
+    thread at interpreter teardown can abort the process with SIGABRT, which the launcher would report as a
     crash: the code, the SystemExit message and an unexpected error's traceback must all survive that exit."""
     script = (
         "import sft_trainer.run as run\n"

@@ -15,9 +15,8 @@ import pytest
 import torch
 from test_trainer_outputs import fake_checkpoint
 
-from sft_trainer.checkpoint import CheckpointError, _dcp_reader_and_planner, read_dcp_metadata
+from sft_trainer.checkpoint import CheckpointError, _dcp_reader_and_planner, check_resume, read_dcp_metadata
 from sft_trainer.config import load_config
-from sft_trainer.run import check_resume
 
 
 class _Touch:
@@ -37,7 +36,7 @@ def _payload(marker: Path) -> bytes:
 def _sft_train(*args: str) -> tuple[subprocess.CompletedProcess, float]:
     started = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-c", "from sft_trainer.run import main; main()", *args],
+        [sys.executable, "-c", "from sft_trainer.cli import main; main()", *args],
         capture_output=True,
         text=True,
         timeout=120,

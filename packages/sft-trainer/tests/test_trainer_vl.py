@@ -112,7 +112,7 @@ def test_tokenizer_without_the_models_vision_ids_is_refused(tmp_path):
 
     ckpt = tmp_path / "model"
     tiny_qwen35_vl_config(vocab_size=653, image_token_id=10, vision_start_token_id=11).save_pretrained(ckpt)
-    cmd = [sys.executable, "-c", "from sft_trainer.run import main; main()", *VL, "--model.config", str(ckpt)]
+    cmd = [sys.executable, "-c", "from sft_trainer.cli import main; main()", *VL, "--model.config", str(ckpt)]
     cmd += ["--output_dir", str(tmp_path / "out"), "--train.steps", "1", "--train.warmup_steps", "0"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0

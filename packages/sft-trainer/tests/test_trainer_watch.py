@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from trainer_runs import read_wandb_records, wandb_items
 
+from sft_trainer.cli import report_main
 from sft_trainer.progress import Progress
-from sft_trainer.report import main as report_main
 from sft_trainer.report import read_metrics, summarize
 from sft_trainer.train import StepStats
 
@@ -170,7 +170,7 @@ def test_report_of_a_missing_or_malformed_run_says_so_in_one_line(tmp_path):
     for exc in (missing, no_metrics, malformed):
         assert "\n" not in str(exc.value.code)
     proc = subprocess.run(
-        [sys.executable, "-c", "from sft_trainer.run import main; main()", "report", str(tmp_path / "nope")],
+        [sys.executable, "-c", "from sft_trainer.cli import main; main()", "report", str(tmp_path / "nope")],
         capture_output=True,
         text=True,
         timeout=120,
@@ -186,7 +186,7 @@ def test_a_piped_run_prints_lines_writes_its_report_and_logs_to_wandb(tmp_path):
     pytest.importorskip("wandb")
     pytest.importorskip("matplotlib")
     out = tmp_path / "run"
-    cmd = [sys.executable, "-c", "from sft_trainer.run import main; main()", "--output_dir", str(out)]
+    cmd = [sys.executable, "-c", "from sft_trainer.cli import main; main()", "--output_dir", str(out)]
     cmd += [
         "--train.steps",
         "3",

@@ -16,7 +16,7 @@ STEPS = 3
 
 
 def _train(out: Path, *overrides: str, torchrun_procs: int = 0) -> list[dict]:
-    launcher = ["-c", "from sft_trainer.run import main; main()"]
+    launcher = ["-c", "from sft_trainer.cli import main; main()"]
     if torchrun_procs:  # torchrun sets RANK/WORLD_SIZE; sft-train then runs as one of its workers
         launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun_procs}"]
         launcher += ["-m", "sft_trainer.run"]
@@ -47,7 +47,7 @@ def sft_train(*args: str, timeout: float = 300, **popen) -> tuple[subprocess.Com
     """``sft-train ARGS`` in a subprocess, whatever its exit: the finished process and its wall time in seconds."""
     started = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-c", "from sft_trainer.run import main; main()", *args],
+        [sys.executable, "-c", "from sft_trainer.cli import main; main()", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -9,7 +9,6 @@ line gives the packing statistics of the whole dataset.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -20,11 +19,6 @@ LOSS_ON, LOSS_OFF = "\x1b[1;32m", "\x1b[0m"
 """ANSI bold green around loss tokens on a terminal."""
 OPEN, CLOSE = "[[", "]]"
 """Brackets around loss tokens otherwise."""
-USAGE = (
-    "sft-train inspect-data [--config FILE.toml] [--section.key VALUE ...] [--rows N] [--color auto|always|never]\n"
-    "Prints the first N packed rows of the run's data (default 2) with the loss tokens marked, and the packing\n"
-    "statistics; it tokenizes through the run's token cache (building it when missing) and trains nothing."
-)
 
 
 def token_segments(ids: Sequence[int], loss: Sequence[bool], image_pad: int | None) -> list[tuple[str, list[int]]]:
@@ -110,27 +104,3 @@ def inspect(cfg: Any, rows: int, color: bool, out: Any = None) -> Any:
         print(render_row(dataset, index, tokenizer, color=color), file=out)
     print(stats_line(dataset), file=out, flush=True)
     return dataset
-
-
-def main(argv: Sequence[str]) -> None:
-    """``sft-train inspect-data``: see :data:`USAGE`."""
-    from sft_trainer.config import ConfigError, load_config
-    from sft_trainer.data import DataError
-    from sft_trainer.plan import split_config_argument
-
-    parser = argparse.ArgumentParser(prog="sft-train inspect-data", usage=USAGE, add_help=True)
-    parser.add_argument("--rows", type=int, default=2)
-    parser.add_argument("--color", choices=("auto", "always", "never"), default="auto")
-    options, overrides = parser.parse_known_args(list(argv))
-    if options.rows < 0:
-        raise SystemExit(f"sft-train inspect-data: --rows={options.rows} must be >= 0")
-    color = options.color == "always" or (options.color == "auto" and sys.stdout.isatty())
-    try:
-        path, overrides = split_config_argument(overrides)
-        cfg = load_config(path, overrides, fetch_weights=False)
-    except ConfigError as exc:
-        raise SystemExit(f"sft-train inspect-data: invalid configuration:\n{exc}") from None
-    try:
-        inspect(cfg, options.rows, color)
-    except DataError as exc:
-        raise SystemExit(f"sft-train inspect-data: data.path={str(cfg.data_path)!r}: {exc}") from None

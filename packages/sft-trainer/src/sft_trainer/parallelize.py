@@ -1,5 +1,6 @@
-"""Parallelism applied to a plain cp_models model by small functions, in torchtitan's order:
-activation checkpointing, torch.compile of the collective-free parts, then FSDP2.
+"""Parallelism applied to a built cp_models model by small functions, composed by :func:`parallelize_model`:
+activation checkpointing, CP wiring (through the checkpoint wrappers), LoRA, torch.compile of the collective-free
+parts, then FSDP2.
 
 FSDP2 shards over every rank of the (dp, cp) mesh, not only over dp: CP ranks hold different tokens of the same
 row, so their gradients must be summed anyway, and the reduce-scatter does that while each rank keeps 1/(dp x cp)
@@ -13,9 +14,57 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from cp_core import resolve_recurrent_backend
+from cp_core import CPTopology, resolve_recurrent_backend
 from cp_models.activation_checkpointing import decoder_layers
 from cp_models.context_parallel import ContextParallelModule
+
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parallelize_model(model: nn.Module, cfg, mesh: DeviceMesh) -> nn.Module:
+    """``model`` (built on the CPU in its storage dtype: fp32 under FSDP, else ``model.dtype``) made ready to train
+    on ``mesh`` (dims "dp" and "cp"): activation checkpointing, CP wiring, LoRA, then on this rank's device
+    torch.compile and FSDP2, each as ``cfg`` asks. Returns the model (FSDP2 changes it in place)."""
+    if cfg.model.activation_checkpointing:
+        apply_checkpointing(model)
+    apply_context_parallel(model, mesh, cfg.parallel.attention_cp)
+    if cfg.train.lora.enabled:
+        from sft_trainer.lora import apply_lora
+
+        lora = cfg.train.lora
+        apply_lora(model, lora.targets, lora.rank, lora.alpha, lora.dropout, seed=cfg.train.seed)
+    model.to(mesh_device(mesh))
+    if cfg.model.compile:
+        apply_compile(model)
+    if cfg.parallel.fsdp:
+        compute = COMPUTE_DTYPES[cfg.model.dtype]
+        apply_fsdp(model, mesh, param_dtype=compute if compute != torch.float32 else None)
+    return model
+
+
+def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, attention_cp: str = "ulysses") -> CPTopology:
+    """Give every CP-aware layer of ``model`` the mesh's "cp" group (looking through checkpoint wrappers)."""
+    from cp_models import set_context_parallel_attributes
+
+    topology = CPTopology.from_mesh(mesh, "cp")
+    set_context_parallel_attributes(model, topology, attention_cp_style=attention_cp)
+    return topology
+
+
+def apply_checkpointing(model: nn.Module) -> None:
+    """Activation checkpointing of every decoder block, and of every vision block of a vision-language model."""
+    from cp_models import apply_activation_checkpointing
+
+    apply_activation_checkpointing(model)
+    if hasattr(model, "vision_blocks"):
+        apply_activation_checkpointing(model, model.vision_blocks())
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """This rank's device on ``mesh``: the current CUDA device, or the CPU."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
@@ -51,7 +100,7 @@ def _fused(module: nn.Module) -> bool:
     weight = getattr(module, "weight", None)
     if not hasattr(module, "backend") or not isinstance(weight, torch.Tensor):
         return False
-    return resolve_recurrent_backend(module.backend, weight) == "fla"
+    return resolve_recurrent_backend(module.backend, weight, "norm") == "fla"
 
 
 # Children of a decoder block (or of its token mixer) that may be compiled; those that are token mixers

@@ -3,11 +3,9 @@ and a short text summary. The PNG needs matplotlib (``pip install 'sft-trainer[r
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -136,23 +134,3 @@ def write_report_at_end(metrics: Path, run_dir: Path) -> dict[str, Any]:
     if png is not None:
         print(f"[sft-train] report: {png}", flush=True)
     return {key: value for key, value in numbers.items() if value is not None}
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="sft-train report",
-        description="Plot a run's metrics.jsonl (loss, lr, grad norm, tokens/s, memory vs step) to "
-        "RUN_DIR/report.png and print a summary. The PNG needs matplotlib: pip install 'sft-trainer[report]'.",
-    )
-    parser.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="the run's output_dir (holds metrics.jsonl)")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        summary, png = report(args.run_dir)
-    except ReportError as exc:
-        raise SystemExit(f"sft-train report: {exc}") from None
-    print(summary)
-    if png is None:
-        raise SystemExit(
-            "sft-train report: no report.png: matplotlib is not installed (pip install 'sft-trainer[report]')"
-        )
-    print(f"report: {png}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import os
 import resource
 import socket
@@ -16,10 +18,11 @@ import torch.distributed as dist
 from torch.utils.data import Subset
 
 from cp_core import CPTopology
-from sft_trainer.checkpoint import check_resume, maybe_resume, resume_checkpoint, save_checkpoint
+from sft_trainer.checkpoint import maybe_resume, resume_checkpoint, save_checkpoint
+from sft_trainer.model import ModelLoadError, build_model, one_line
 from sft_trainer.progress import Progress
 from sft_trainer.report import write_report_at_end
-from sft_trainer.run_folder import hold_run_folders, output_problems
+from sft_trainer.run_folder import set_aside_previous_run
 from sft_trainer.train import MetricsWriter, StepStats, lr_lambda, train_step
 from sft_trainer.watchdog import collective_timeout, is_collective_timeout, run_workers, start_beating
 
@@ -30,17 +33,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def world_layout(cfg) -> tuple[int, int]:
-    """(dp, cp) for this run's world: torchrun's WORLD_SIZE, else the local worker count (dp = -1 takes the rest)."""
-    world = int(os.environ.get("WORLD_SIZE", 0)) or cfg.parallel.num_local_workers
-    return cfg.parallel.resolve_dp(world), cfg.parallel.cp
-
-
 def launch(cfg) -> None:
     """Run under torchrun when its variables are set; otherwise spawn dp x cp local workers (CPU runs)."""
     if "RANK" in os.environ:
         run_worker_then_exit(cfg)
-    dp, cp = world_layout(cfg)
+    dp, cp = cfg.parallel.world_layout()
     world = dp * cp
     # a worker that stops prints its message or traceback; the launcher adds which worker and how it ended
     run_workers(_spawned, (cfg, world, _free_port()), world, cfg.parallel.heartbeat_timeout_s)
@@ -59,8 +56,8 @@ def _spawned(rank: int, cfg, world: int, port: int, beats=None) -> None:
 def run_worker_then_exit(cfg) -> NoReturn:
     """Run this process's worker, then end the process with its exit code (a spawned or a torchrun worker)."""
     # Every way out leaves without the interpreter's teardown: at finalization a gloo worker thread can still be
-    # joinable, and about one run in ten then died with SIGABRT ("terminate called without an active exception"),
-    # after finishing or after a clean one-line stop, so the launcher reported a crash instead of the stop. The
+    # joinable, and the process can then die with SIGABRT ("terminate called without an active exception"),
+    # after finishing or after a clean one-line stop, so the launcher would report a crash instead of the stop. The
     # exit code and the message (or traceback) are kept; the launcher reports the code.
     code = 0
     try:
@@ -90,95 +87,12 @@ def run_worker_then_exit(cfg) -> NoReturn:
 
 
 def _device_and_backend(cfg) -> tuple[torch.device, str]:
-    backend = _backend(cfg)
+    backend = backend_of(cfg)
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)
         return torch.device("cuda", local), backend
     return torch.device("cpu"), backend
-
-
-# VL config field -> the placeholder's name in sft_trainer.data.VisionTokens
-VISION_TOKEN_FIELDS = {
-    "image_token_id": "image_pad",
-    "video_token_id": "video_pad",
-    "vision_start_token_id": "vision_start",
-    "vision_end_token_id": "vision_end",
-}
-
-
-def vision_token_ids(tokenizer) -> dict[str, int]:
-    """The ids of Qwen3.5-VL's vision placeholder tokens in ``tokenizer`` (config field -> id), those it has."""
-    from sft_trainer.data import VisionTokens
-
-    ids = VisionTokens().ids(tokenizer)
-    return {field: ids[name] for field, name in VISION_TOKEN_FIELDS.items() if name in ids}
-
-
-def check_vision_tokens(hf_config, tokenizer) -> None:
-    """A VL model's placeholder ids must be the tokenizer's (else images would land on the wrong tokens)."""
-    from sft_trainer.data import VisionTokens
-
-    ids = vision_token_ids(tokenizer)
-    wrong = [
-        f"{field}={getattr(hf_config, field)} but the tokenizer's "
-        f"{getattr(VisionTokens(), VISION_TOKEN_FIELDS[field])} is {ids.get(field, 'absent')}"
-        for field in ("image_token_id", "vision_start_token_id")
-        if ids.get(field) != getattr(hf_config, field)
-    ]
-    if wrong:
-        raise SystemExit(f"sft-train: the tokenizer does not match the VL model: {'; '.join(wrong)}")
-
-
-def build_model(cfg, tokenizer, device: torch.device, mesh, topology: CPTopology):
-    """The model, ready to train: built (or loaded), activation checkpointing, CP topology, LoRA, compile, FSDP2."""
-    from cp_models import (
-        NemotronHForCausalLM,
-        Qwen35ForCausalLM,
-        apply_activation_checkpointing,
-        set_context_parallel_attributes,
-    )
-    from cp_vlm import Qwen35VLForConditionalGeneration
-    from sft_trainer.config import is_vision_language, model_family, resolve_model_config
-    from sft_trainer.parallelize import apply_compile, apply_fsdp
-
-    compute_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
-    # FSDP keeps fp32 master weights and casts the gathered parameters; replicas are cast as a whole.
-    storage_dtype = torch.float32 if cfg.parallel.fsdp else compute_dtype
-    hf_config = resolve_model_config(cfg.model, vocab_size=len(tokenizer), token_ids=vision_token_ids(tokenizer))
-    family = model_family(hf_config)
-    vision = is_vision_language(hf_config)
-    kwargs = dict(attention_backend=cfg.model.attention_backend, recurrent_backend=cfg.model.recurrent_backend)
-    model_class = Qwen35ForCausalLM
-    if family == "nemotron_h":
-        model_class, kwargs["mamba_cp_style"] = NemotronHForCausalLM, cfg.parallel.resolve_cp_style(family)
-    elif vision:
-        check_vision_tokens(hf_config, tokenizer)
-        model_class, kwargs["vision_cp"] = Qwen35VLForConditionalGeneration, cfg.model.vision_cp
-    if cfg.model.path:
-        try:
-            model = model_class.from_pretrained(cfg.model.path, dtype=storage_dtype, **kwargs)
-        except Exception as exc:  # missing, truncated or mis-shaped weights: alike on every rank
-            _stop(dist.get_rank(), f"model.path={cfg.model.path!r} does not load: {_one_line(exc)}")
-    else:  # random init from a config file or the preset (the preset takes the tokenizer's vocabulary)
-        torch.manual_seed(cfg.train.seed)
-        model = model_class(hf_config, **kwargs).to(storage_dtype)
-    if cfg.model.activation_checkpointing:
-        apply_activation_checkpointing(model)
-        if vision:
-            apply_activation_checkpointing(model, model.vision_blocks())
-    set_context_parallel_attributes(model, topology, attention_cp_style=cfg.parallel.attention_cp)
-    if cfg.train.lora.enabled:
-        from sft_trainer.lora import apply_lora
-
-        lora = cfg.train.lora
-        apply_lora(model, lora.targets, lora.rank, lora.alpha, lora.dropout, seed=cfg.train.seed)
-    model = model.to(device)
-    if cfg.model.compile:
-        apply_compile(model)
-    if cfg.parallel.fsdp:
-        apply_fsdp(model, mesh, param_dtype=compute_dtype if compute_dtype != storage_dtype else None)
-    return model
 
 
 def _memory_gib(device: torch.device) -> float:
@@ -187,20 +101,24 @@ def _memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def _one_line(exc: BaseException, limit: int = 600) -> str:
-    """``Type: message`` of ``exc`` on one line, cut at ``limit`` characters."""
-    text = " ".join(f"{type(exc).__name__}: {exc}".split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def _stop(rank: int, message: str) -> NoReturn:
     """End this worker over a user-facing problem every rank meets alike: one clean line from rank 0, no traceback.
-    Rank 0 prints at once; the others wait a moment first, since the launcher stops every worker when one ends."""
+    Rank 0 says it first; every rank then waits for the others (at most STOP_WAIT_S) before it ends, since the
+    launcher stops every worker as soon as one ends and rank 0 must have spoken by then."""
     if rank == 0:
         print(f"sft-train: {message}", file=sys.stderr, flush=True)
-    else:
-        time.sleep(2.0)
+    _wait_for_every_rank(STOP_WAIT_S)
     raise SystemExit(1) from None
+
+
+STOP_WAIT_S = 60.0  # a rank that never reaches the stop delays the others' exit by at most this
+
+
+def _wait_for_every_rank(timeout_s: float) -> None:
+    """A barrier over the world that gives up after ``timeout_s`` or when a peer is gone (then there is nobody to
+    wait for)."""
+    with contextlib.suppress(Exception):  # timed out, or a peer already ended: leave anyway
+        dist.barrier(async_op=True).wait(timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def worker(cfg) -> dict[str, Any]:
@@ -211,7 +129,7 @@ def worker(cfg) -> dict[str, Any]:
     from sft_trainer.tokenizer_fit import load_tokenizer
 
     device, backend = _device_and_backend(cfg)
-    dp, cp = world_layout(cfg)
+    dp, cp = cfg.parallel.world_layout()
     # the mesh's subgroups take torch's default timeout, not the default group's: set that one too
     dist.distributed_c10d.default_pg_timeout = dist.distributed_c10d.default_pg_nccl_timeout = collective_timeout(cfg)
     dist.init_process_group(backend, timeout=collective_timeout(cfg))
@@ -240,7 +158,7 @@ def worker(cfg) -> dict[str, Any]:
         except Exception as exc:
             # jinja2's TemplateError: the chat template fails to render, or its sandbox refuses what it does
             if type(exc).__module__.startswith("jinja2"):
-                _stop(rank, f"data.tokenizer={str(cfg.tokenizer_path)!r}: its chat template fails: {_one_line(exc)}")
+                _stop(rank, f"data.tokenizer={str(cfg.tokenizer_path)!r}: its chat template fails: {one_line(exc)}")
             raise
         if data_stats.loss_tokens == 0:
             _stop(
@@ -248,7 +166,10 @@ def worker(cfg) -> dict[str, Any]:
                 f"data.path={str(cfg.data_path)!r}: no packed row holds a loss token ({data_stats}); nothing would be "
                 "learned: raise data.seq_len or check that the conversations have assistant replies",
             )
-        model = build_model(cfg, tokenizer, device, mesh, topology)
+        try:
+            model = build_model(cfg, tokenizer, mesh)
+        except ModelLoadError as exc:
+            _stop(rank, str(exc))
         torch.manual_seed(dropout_seed(cfg.train.seed, rank))  # dropout's draws; restored instead on resume
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(
@@ -401,42 +322,6 @@ def export_model(cfg, model, export_dir: Path) -> None:
         save_file({k: v.contiguous() for k, v in adapters.items()}, str(Path(export_dir) / "lora_adapters.safetensors"))
 
 
-def set_aside_previous_run(cfg) -> list[tuple[Path, Path]]:
-    """A fresh run whose folders hold an earlier run's checkpoints, metrics or HF export moves them aside, to
-    ``checkpoints.1``, ``metrics.1.jsonl``, ``hf.1`` (the first free number), so that nothing is lost and the runs
-    never mix (an old ``step-000040`` beside the new run's ``latest``). Returns the moves made."""
-    output_dir = Path(cfg.output_dir).resolve()
-    read = [Path(p).resolve() for p in (cfg.model.path, cfg.data_path, cfg.tokenizer_path, cfg.data.processor) if p]
-    candidates = [Path(p).resolve() for p in (cfg.checkpoint_dir, cfg.metrics_path, Path(cfg.output_dir) / "hf")]
-    found = [
-        p
-        for p in dict.fromkeys(candidates)
-        if ((p.is_dir() and any(p.iterdir())) or (p.is_file() and p.stat().st_size))
-        and not output_dir.is_relative_to(p)  # never the run folder itself or a folder above it
-        and not any(r.is_relative_to(p) for r in read)  # nor what this run reads (a model exported by the last one)
-    ]
-    found = [p for p in found if not any(p != q and p.is_relative_to(q) for q in found)]  # the outermost only
-    if not found:
-        return []
-
-    def aside(path: Path, n: int) -> Path:
-        return path.with_name(f"{path.stem}.{n}{path.suffix}")
-
-    n = 1
-    while any(aside(p, n).exists() for p in found):
-        n += 1
-    moves = [(p, aside(p, n)) for p in found]
-    for old, new in moves:
-        old.rename(new)
-    listed = ", ".join(f"{old} -> {new.name}" for old, new in moves)
-    print(
-        f"[sft-train] an earlier run's outputs were here; moved aside: {listed} (checkpoint.resume = true continues "
-        "a run instead)",
-        flush=True,
-    )
-    return moves
-
-
 def start_wandb(cfg):
     if not cfg.logging.wandb.enabled:
         return None
@@ -453,103 +338,7 @@ def start_wandb(cfg):
     )
 
 
-RUN_USAGE = (
-    "Trains: spawns dp x cp local workers (CPU), or runs as one torchrun worker. `sft-train plan ...` takes the same\n"
-    "config and prints the CP traffic, memory per rank and the longest row that fits instead (`sft-train plan --help`).\n"
-    "`sft-train report RUN_DIR` plots a run's metrics.jsonl to RUN_DIR/report.png and prints a summary.\n"
-    "`sft-train inspect-data ... [--rows N]` prints the first packed rows with the loss tokens marked, trains nothing."
-)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Run :func:`start`; under torchrun a problem found before training is said by rank 0 alone (every rank
-    finds it), the others exit with the same code."""
-    try:
-        start(argv)
-    except SystemExit as exc:
-        if os.environ.get("RANK", "0") != "0" and isinstance(exc.code, str):
-            raise SystemExit(1) from None
-        raise
-
-
-def start(argv: list[str] | None = None) -> None:
-    """``sft-train [--config FILE.toml] [--section.key VALUE ...]``: validate the config, then train.
-
-    ``sft-train plan [--config FILE.toml] [--section.key VALUE ...] [--json]`` prints the run's CP traffic, memory
-    per rank and the longest row that fits instead (``sft_trainer.plan``), starting nothing.
-    ``sft-train report RUN_DIR`` plots a finished (or running) run's metrics and prints its summary
-    (``sft_trainer.report``).
-    ``sft-train inspect-data [--config ...] [--rows N]`` prints the first packed rows with their loss tokens marked
-    and the packing statistics (``sft_trainer.inspect_data``), starting no worker.
-    ``--config`` may stand anywhere among the overrides; the overrides apply on top of it, in order."""
-    from sft_trainer.config import ConfigError, load_config, wants_help
-    from sft_trainer.plan import split_config_argument
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "plan":
-        from sft_trainer.plan import main as plan_main
-
-        plan_main(argv[1:])
-        return
-    if argv and argv[0] == "inspect-data":
-        from sft_trainer.inspect_data import main as inspect_main
-
-        inspect_main(argv[1:])
-        return
-    if argv and argv[0] == "report":
-        from sft_trainer.report import main as report_main
-
-        report_main(argv[1:])
-        return
-    if wants_help(argv):
-        from sft_trainer.config import config_help
-
-        print(config_help("sft-train", RUN_USAGE, argv))
-        return
-    try:
-        path, argv = split_config_argument(argv)  # --config FILE (or --config=FILE), anywhere among the overrides
-        cfg = load_config(path, argv)
-        dp, cp = world_layout(cfg)  # the process layout must fit before anything starts
-    except ConfigError as exc:
-        raise SystemExit(f"sft-train: invalid configuration:\n{exc}") from None
-    problems = check_resume(cfg, dp * cp)
-    if problems:
-        raise SystemExit("sft-train: cannot resume:\n" + "\n".join(f"  - {p}" for p in problems))
-    problems = output_problems(cfg) + runtime_problems(cfg)
-    if problems:
-        raise SystemExit("\n".join(f"sft-train: {p}" for p in problems))
-    if os.environ.get("RANK", "0") == "0":  # the launcher, or torchrun's rank 0: holds the folders until it ends
-        hold_run_folders(cfg)
-    if _backend(cfg) == "nccl" and os.environ.get("RANK", "0") == "0":  # a GPU run
-        warn_when_plan_does_not_fit(cfg)
-    launch(cfg)
-
-
-def runtime_problems(cfg) -> list[str]:
-    """What this machine lacks for ``cfg`` (a GPU for NCCL or a CUDA kernel, an optional package), one line each."""
-    import importlib.util
-
-    problems = []
-    cuda = torch.cuda.is_available()
-    if cfg.parallel.backend == "nccl" and not cuda:
-        problems.append("parallel.backend='nccl' needs CUDA GPUs and none is visible; use 'gloo' or 'auto' on CPU")
-    for field, value, package in (
-        ("model.attention_backend", cfg.model.attention_backend, "flash_attn"),
-        ("model.recurrent_backend", cfg.model.recurrent_backend, "fla"),
-    ):
-        if value == package:
-            if not cuda:
-                problems.append(f"{field}={value!r} runs on CUDA GPUs only and none is visible; use 'auto' or 'torch'")
-            elif importlib.util.find_spec(package) is None:
-                problems.append(f"{field}={value!r} needs the {package} package, which is not installed; use 'auto'")
-    if cfg.logging.wandb.enabled and importlib.util.find_spec("wandb") is None:
-        problems.append(
-            "logging.wandb.enabled=true but wandb is not installed: pip install sft-trainer[wandb], or set it false"
-        )
-    return problems
-
-
-def _backend(cfg) -> str:
+def backend_of(cfg) -> str:
     """The process-group backend a run of ``cfg`` uses, without touching a device: "nccl" (on GPUs) or "gloo"."""
     backend = cfg.parallel.backend
     if backend == "auto":
@@ -557,21 +346,7 @@ def _backend(cfg) -> str:
     return backend
 
 
-def warn_when_plan_does_not_fit(cfg, gpu_memory_gib: float | None = None) -> bool:
-    """Before any weights load, print the planner's verdict when its per-rank estimate exceeds the GPU (the
-    reason and the fixes ``sft-train plan`` gives). A warning, not a refusal: the estimate is within 15 % of the
-    measured peaks, so a run near the limit may still fit. Returns whether the plan fits."""
-    from sft_trainer.plan import build_plan
+if __name__ == "__main__":  # `python -m sft_trainer.run`, torchrun's form of `sft-train`
+    from sft_trainer.cli import main
 
-    try:
-        plan = build_plan(cfg, gpu_memory_gib=gpu_memory_gib)
-    except Exception as exc:  # the estimate is advice: a config the planner cannot read still trains
-        print(f"[sft-train] note: no memory estimate ({type(exc).__name__}: {exc}); starting anyway", flush=True)
-        return True
-    for problem in plan["problems"]:
-        print(f"[sft-train] warning: likely out of memory: {problem} (sft-train plan prints the estimate)", flush=True)
-    return bool(plan["fits"])
-
-
-if __name__ == "__main__":
     main()

@@ -1,4 +1,5 @@
-"""The folders a run writes: checked writable before any worker starts, and held by one run at a time.
+"""The folders a run writes: checked writable before any worker starts, held by one run at a time, and an earlier
+run's outputs moved aside by a fresh run.
 
 The hold is an ``fcntl.flock`` on ``output_dir/.sft-train.lock`` (and on a lock file beside ``checkpoint.dir`` when
 that lies outside ``output_dir``), taken by the launcher (under torchrun: rank 0) for the life of its process.
@@ -103,3 +104,39 @@ def _read_holder(fd: int) -> str:
         return f"pid {record['pid']} on {record['host']}, started {record['started']}"
     except (OSError, ValueError, KeyError, TypeError):
         return "its pid is not recorded yet"
+
+
+def set_aside_previous_run(cfg) -> list[tuple[Path, Path]]:
+    """A fresh run whose folders hold an earlier run's checkpoints, metrics or HF export moves them aside, to
+    ``checkpoints.1``, ``metrics.1.jsonl``, ``hf.1`` (the first free number), so that nothing is lost and the runs
+    never mix (an old ``step-000040`` beside the new run's ``latest``). Returns the moves made."""
+    output_dir = Path(cfg.output_dir).resolve()
+    read = [Path(p).resolve() for p in (cfg.model.path, cfg.data_path, cfg.tokenizer_path, cfg.data.processor) if p]
+    candidates = [Path(p).resolve() for p in (cfg.checkpoint_dir, cfg.metrics_path, Path(cfg.output_dir) / "hf")]
+    found = [
+        p
+        for p in dict.fromkeys(candidates)
+        if ((p.is_dir() and any(p.iterdir())) or (p.is_file() and p.stat().st_size))
+        and not output_dir.is_relative_to(p)  # never the run folder itself or a folder above it
+        and not any(r.is_relative_to(p) for r in read)  # nor what this run reads (a model exported by the last one)
+    ]
+    found = [p for p in found if not any(p != q and p.is_relative_to(q) for q in found)]  # the outermost only
+    if not found:
+        return []
+
+    def aside(path: Path, n: int) -> Path:
+        return path.with_name(f"{path.stem}.{n}{path.suffix}")
+
+    n = 1
+    while any(aside(p, n).exists() for p in found):
+        n += 1
+    moves = [(p, aside(p, n)) for p in found]
+    for old, new in moves:
+        old.rename(new)
+    listed = ", ".join(f"{old} -> {new.name}" for old, new in moves)
+    print(
+        f"[sft-train] an earlier run's outputs were here; moved aside: {listed} (checkpoint.resume = true continues "
+        "a run instead)",
+        flush=True,
+    )
+    return moves

@@ -1,0 +1,227 @@
+"""Model rules: which model families, layer types, CP styles and LoRA targets the trainer supports, and the
+transformers config a ``[model]`` section names."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sft_trainer.config.errors import ConfigError
+from sft_trainer.config.presets import PRESETS, SHIPPED_MODEL_CONFIGS
+
+if TYPE_CHECKING:
+    from sft_trainer.config.schema import TrainConfig
+    from sft_trainer.config.sections import ModelConfig
+
+
+# Which CP styles each layer type runs under, per model family (``parallel.cp_style``; "auto" picks the first
+# style of the family). Qwen3.5: "ulysses" = softmax attention by Ulysses all-to-all, GDN by the conv halo and
+# state passing. Nemotron-H: the style is the Mamba-2 strategy ("state_passing": conv halo + SSD state passing;
+# "a2a": head-parallel all-to-all); MLP/MoE layers need no CP. Softmax attention follows ``parallel.attention_cp``
+# (Ulysses, all-gathered KV or ring-passed KV) under every style.
+LAYER_CP_STYLES: dict[str, dict[str, tuple[str, ...]]] = {
+    "qwen3_5": {"full_attention": ("ulysses",), "linear_attention": ("ulysses",)},
+    "nemotron_h": {
+        "linear_attention": ("state_passing", "a2a"),
+        "full_attention": ("state_passing", "a2a"),
+        "mlp": ("state_passing", "a2a"),
+        "moe": ("state_passing", "a2a"),
+    },
+}
+FAMILY_CP_STYLES = {"qwen3_5": ("ulysses",), "nemotron_h": ("state_passing", "a2a")}
+# nn.Linear names that LoRA may target, per model family (not lm_head: the tiled loss reads its weight directly,
+# and it is often tied to the embeddings).
+LINEAR_NAMES: dict[str, tuple[str, ...]] = {
+    "qwen3_5": (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "in_proj_qkv",
+        "in_proj_z",
+        "in_proj_b",
+        "in_proj_a",
+        "out_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "shared_expert_gate",
+    ),
+    "nemotron_h": ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj", "up_proj", "down_proj"),
+}
+NEMOTRON_H_MODEL_TYPES = ("nemotron_h",)
+_VL_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+
+
+def is_vision_language(hf_config) -> bool:
+    """Whether a transformers config is a Qwen3.5-VL one (a vision tower beside the text model)."""
+    return hf_config.model_type in _VL_MODEL_TYPES and getattr(hf_config, "vision_config", None) is not None
+
+
+def model_family(hf_config) -> str:
+    """``"nemotron_h"`` or ``"qwen3_5"`` (text, MoE or VL) for a transformers config."""
+    return "nemotron_h" if hf_config.model_type in NEMOTRON_H_MODEL_TYPES else "qwen3_5"
+
+
+def _model_source(model: ModelConfig) -> str:
+    if model.path is not None:
+        return f"model.path={model.path!r}"
+    if model.config is not None:
+        return f"model.config={model.config!r}"
+    return f"model.preset={model.preset!r}"
+
+
+def resolve_model_config(model: ModelConfig, vocab_size: int | None = None, token_ids: Mapping[str, int] | None = None):
+    """The transformers config ``model`` names: the checkpoint's, the config file's, or the preset's.
+
+    A VL (``qwen3_5``) config is returned whole; use ``cp_models.load_text_config`` for its text part.
+    ``vocab_size`` sets the preset's vocabulary and ``token_ids`` the VL preset's placeholder ids (checkpoints and
+    config files keep their own).
+    Raises :class:`ConfigError` naming the field when the file is missing, unreadable or of an unsupported
+    model type.
+    """
+    from cp_models.qwen3_5 import SUPPORTED_MODEL_TYPES as QWEN35_MODEL_TYPES
+
+    supported_types = (*QWEN35_MODEL_TYPES, *NEMOTRON_H_MODEL_TYPES)
+    source = _model_source(model)
+    if model.path is not None and model.config is not None:
+        raise ConfigError(
+            f"model.path={model.path!r} and model.config={model.config!r}: set one (a checkpoint to fine-tune, "
+            "or a config.json for a randomly initialized model), not both"
+        )
+    if model.path is None and model.config is None:
+        if model.preset is None:
+            raise ConfigError("model: set one of model.path, model.config or model.preset")
+        kwargs = {} if vocab_size is None else {"vocab_size": vocab_size}
+        if model.preset.endswith("-vl") and token_ids:
+            kwargs.update(token_ids)
+        return PRESETS[model.preset](**kwargs)
+
+    given = Path(model.path if model.path is not None else model.config)
+    if model.path is None and not given.exists() and (SHIPPED_MODEL_CONFIGS / f"{model.config}.json").is_file():
+        given = SHIPPED_MODEL_CONFIGS / f"{model.config}.json"  # a shipped shape, by name
+    file = given / "config.json" if given.is_dir() else given
+    if model.path is not None and not given.is_dir():
+        raise ConfigError(f"{source}: not a folder; model.path is an HF checkpoint folder with a config.json")
+    if not file.is_file():
+        shapes = ", ".join(sorted(f.stem for f in SHIPPED_MODEL_CONFIGS.glob("*.json")))
+        hint = f" (shipped model.config shapes: {shapes})" if model.path is None else ""
+        raise ConfigError(f"{source}: {file} does not exist{hint}")
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{source}: cannot read {file} as JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: {file} is not a JSON object")
+    model_type = raw.get("model_type")
+    if model_type not in supported_types:
+        raise ConfigError(
+            f"{source}: model_type={model_type!r} is not supported; supported model types: "
+            f"{', '.join(sorted(supported_types))}"
+        )
+    from transformers import AutoConfig
+
+    # Read by transformers itself, as from_pretrained will: it decodes what it writes (e.g. an infinite
+    # time_step_limit as {"__float__": "Infinity"}). Never remote code: the model type is one of ours.
+    try:
+        return AutoConfig.from_pretrained(str(file), trust_remote_code=False)
+    except Exception as exc:  # transformers' own validation of the config's values
+        raise ConfigError(f"{source}: transformers rejects {file}: {exc}") from exc
+
+
+def _check_model(cfg: TrainConfig) -> list[str]:
+    from cp_core import ContextParallelError, resolve_attention_cp_style
+
+    try:
+        hf = resolve_model_config(cfg.model)
+    except ConfigError as exc:
+        return exc.problems
+    source = _model_source(cfg.model)
+    par, problems = cfg.parallel, []
+    family = model_family(hf)
+    style = par.resolve_cp_style(family)
+
+    is_vl = is_vision_language(hf)
+    if is_vl and style != "ulysses":
+        problems.append(
+            f"parallel.cp_style={par.cp_style!r}: {source} is a vision-language config (model_type "
+            f"{hf.model_type!r}, has vision_config), which requires cp_style='ulysses'"
+        )
+    if family == "nemotron_h":
+        text = hf
+        layer_types = list(text.layers_block_type)
+        conv_width, conv_name = text.conv_kernel, "Mamba conv_kernel"
+    else:
+        from cp_models import load_text_config
+
+        text = load_text_config(hf)
+        layer_types = list(text.layer_types[: text.num_hidden_layers])
+        conv_width, conv_name = text.linear_conv_kernel_dim, "GDN conv halo needs linear_conv_kernel_dim"
+
+    layers: dict[str, list[int]] = {}
+    for i, layer_type in enumerate(layer_types):
+        layers.setdefault(layer_type, []).append(i)
+    supported = LAYER_CP_STYLES[family]
+    unstyled = []
+    for layer_type, idx in layers.items():
+        styles = supported.get(layer_type)
+        if styles is None:
+            problems.append(
+                f"{source}: layer type {layer_type!r} (layers {idx}) is not supported; supported layer types: "
+                f"{', '.join(supported)}"
+            )
+        elif style not in styles:
+            unstyled.append(f"{layer_type!r} (layers {idx}; runs under cp_style {' or '.join(map(repr, styles))})")
+    if unstyled:
+        problems.append(
+            f"parallel.cp_style={par.cp_style!r} does not support the layer types of {source} "
+            f"({hf.model_type}): {', '.join(unstyled)}"
+        )
+
+    if "full_attention" in layers:
+        q, kv = text.num_attention_heads, text.num_key_value_heads
+        try:
+            resolve_attention_cp_style(par.attention_cp, q, kv, par.cp)
+        except ContextParallelError as exc:
+            problems.append(
+                f"parallel.cp={par.cp} with parallel.attention_cp={par.attention_cp!r} vs the attention heads of "
+                f"{source} (num_attention_heads={q}, num_key_value_heads={kv}): {exc}"
+            )
+    if family == "qwen3_5" and "linear_attention" in layers:
+        k_heads, v_heads = text.linear_num_key_heads, text.linear_num_value_heads
+        if v_heads % k_heads:
+            problems.append(
+                f"{source}: linear_num_value_heads={v_heads} must be a multiple of linear_num_key_heads={k_heads}"
+            )
+    if family == "nemotron_h" and "linear_attention" in layers and style == "a2a":
+        from cp_core.head_parallel import check_head_parallel
+
+        heads, groups = text.mamba_num_heads, text.n_groups
+        try:
+            check_head_parallel(heads, groups, par.cp, what="Mamba-2 head-parallel (a2a) CP")
+        except ContextParallelError as exc:
+            problems.append(
+                f"parallel.cp={par.cp} with parallel.cp_style='a2a' vs the Mamba heads of {source} "
+                f"(mamba_num_heads={heads}, n_groups={groups}): {exc}; or use cp_style='state_passing' (any cp)"
+            )
+    if "linear_attention" in layers and not (family == "nemotron_h" and style == "a2a"):
+        halo = conv_width - 1
+        if par.cp > 1 and cfg.data.seq_len // par.cp < halo:
+            problems.append(
+                f"data.seq_len={cfg.data.seq_len} is too short for parallel.cp={par.cp}: each CP shard holds "
+                f"seq_len/cp={cfg.data.seq_len // par.cp} tokens but the {conv_name}-1={halo} "
+                f"(seq_len >= cp * {halo} = {par.cp * halo})"
+            )
+
+    lora = cfg.train.lora
+    if lora.enabled:
+        names = LINEAR_NAMES[family]
+        unknown = [t for t in lora.targets if t not in names]
+        if unknown:
+            problems.append(
+                f"train.lora.targets={lora.targets!r}: {unknown} are not linear layers of {source}; choose from "
+                f"{', '.join(names)}"
+            )
+    return problems

@@ -1,0 +1,82 @@
+"""The model a run trains: built from its config or loaded from ``model.path``, then parallelized."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from sft_trainer.config import TrainConfig, is_vision_language, model_family, resolve_model_config
+from sft_trainer.parallelize import COMPUTE_DTYPES, parallelize_model
+
+# VL config field -> the placeholder's name in sft_trainer.data.VisionTokens
+VISION_TOKEN_FIELDS = {
+    "image_token_id": "image_pad",
+    "video_token_id": "video_pad",
+    "vision_start_token_id": "vision_start",
+    "vision_end_token_id": "vision_end",
+}
+
+
+class ModelLoadError(RuntimeError):
+    """``model.path`` does not load (missing, truncated or mis-shaped weights): alike on every rank."""
+
+
+def vision_token_ids(tokenizer) -> dict[str, int]:
+    """The ids of Qwen3.5-VL's vision placeholder tokens in ``tokenizer`` (config field -> id), those it has."""
+    from sft_trainer.data import VisionTokens
+
+    ids = VisionTokens().ids(tokenizer)
+    return {field: ids[name] for field, name in VISION_TOKEN_FIELDS.items() if name in ids}
+
+
+def check_vision_tokens(hf_config, tokenizer) -> None:
+    """A VL model's placeholder ids must be the tokenizer's (else images would land on the wrong tokens)."""
+    from sft_trainer.data import VisionTokens
+
+    ids = vision_token_ids(tokenizer)
+    wrong = [
+        f"{field}={getattr(hf_config, field)} but the tokenizer's "
+        f"{getattr(VisionTokens(), VISION_TOKEN_FIELDS[field])} is {ids.get(field, 'absent')}"
+        for field in ("image_token_id", "vision_start_token_id")
+        if ids.get(field) != getattr(hf_config, field)
+    ]
+    if wrong:
+        raise SystemExit(f"sft-train: the tokenizer does not match the VL model: {'; '.join(wrong)}")
+
+
+def create_model(cfg: TrainConfig, tokenizer) -> torch.nn.Module:
+    """The plain model on the CPU in its storage dtype: fp32 master weights under FSDP (which casts the gathered
+    parameters), else ``model.dtype``. Loaded from ``model.path``, else randomly initialized from the config file
+    or the preset (the preset takes the tokenizer's vocabulary). Raises :class:`ModelLoadError`."""
+    from cp_models import NemotronHForCausalLM, Qwen35ForCausalLM
+    from cp_vlm import Qwen35VLForConditionalGeneration
+
+    storage_dtype = torch.float32 if cfg.parallel.fsdp else COMPUTE_DTYPES[cfg.model.dtype]
+    hf_config = resolve_model_config(cfg.model, vocab_size=len(tokenizer), token_ids=vision_token_ids(tokenizer))
+    family = model_family(hf_config)
+    kwargs = dict(attention_backend=cfg.model.attention_backend, recurrent_backend=cfg.model.recurrent_backend)
+    model_class = Qwen35ForCausalLM
+    if family == "nemotron_h":
+        model_class, kwargs["mamba_cp_style"] = NemotronHForCausalLM, cfg.parallel.resolve_cp_style(family)
+    elif is_vision_language(hf_config):
+        check_vision_tokens(hf_config, tokenizer)
+        model_class, kwargs["vision_cp"] = Qwen35VLForConditionalGeneration, cfg.model.vision_cp
+    if cfg.model.path:
+        try:
+            return model_class.from_pretrained(cfg.model.path, dtype=storage_dtype, **kwargs)
+        except Exception as exc:
+            raise ModelLoadError(f"model.path={cfg.model.path!r} does not load: {one_line(exc)}") from None
+    torch.manual_seed(cfg.train.seed)
+    return model_class(hf_config, **kwargs).to(storage_dtype)
+
+
+def build_model(cfg: TrainConfig, tokenizer, mesh: DeviceMesh) -> torch.nn.Module:
+    """The model, ready to train on ``mesh``: :func:`create_model`, then
+    :func:`~sft_trainer.parallelize.parallelize_model`."""
+    return parallelize_model(create_model(cfg, tokenizer), cfg, mesh)
+
+
+def one_line(exc: BaseException, limit: int = 600) -> str:
+    """``Type: message`` of ``exc`` on one line, cut at ``limit`` characters."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
