@@ -46,7 +46,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
     from transformers import AutoTokenizer
 
     from sft_trainer.data import load_image_processor, tiny_tokenizer_dir
-    from sft_trainer.data_rows import open_packed_store_distributed
+    from sft_trainer.data.rows import open_packed_store_distributed
 
     dist.init_process_group("gloo")
     tokenizer = AutoTokenizer.from_pretrained(args.processor or args.tokenizer or tiny_tokenizer_dir())

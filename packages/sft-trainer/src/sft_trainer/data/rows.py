@@ -27,21 +27,14 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from sft_trainer import data_store
-from sft_trainer.data import (
-    IGNORE_INDEX,
-    DataError,
-    OnError,
-    Overlong,
-    PackedRow,
-    PackStats,
-    VisionTokens,
-    _portable_error,
-    load_image,
-)
-from sft_trainer.data_packing import PackPlan, open_or_write_pack_plan
-from sft_trainer.data_sources import resolve_data_files
-from sft_trainer.data_tokenize import default_num_proc, options_for_key, token_options, write_token_store
+from sft_trainer.data import store as data_store
+from sft_trainer.data.conversations import IGNORE_INDEX, DataError, OnError, Overlong
+from sft_trainer.data.dataset import _portable_error
+from sft_trainer.data.images import VisionTokens, load_image
+from sft_trainer.data.pack_plan import PackPlan, open_or_write_pack_plan
+from sft_trainer.data.packing import PackedRow, PackStats
+from sft_trainer.data.sources import resolve_data_files
+from sft_trainer.data.tokenize import default_num_proc, options_for_key, token_options, write_token_store
 
 BUILD_TIMEOUT = timedelta(hours=12)
 """How long the other ranks wait for their node's builder to tokenize and pack."""
@@ -199,7 +192,7 @@ def _store_location(
     subset: str | None = None,
 ) -> tuple[list[Path], Path, dict[str, Any], dict[str, Any]]:
     """``(files, store folder, key inputs, worker options)`` of these files (or ``datasets`` source, see
-    :mod:`sft_trainer.data_sources`) and settings."""
+    :mod:`sft_trainer.data.sources`) and settings."""
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     cache = Path(cache_dir) if cache_dir is not None else data_store.default_cache_dir()
@@ -283,7 +276,7 @@ def open_token_store(
 ) -> data_store.TokenStore:
     """The token store of these files and settings: reused when a complete one exists, else built with
     ``num_proc`` processes (default: every core); says which in one line through ``log``. ``messages_column``,
-    ``split`` and ``subset``: see :mod:`sft_trainer.data_sources`."""
+    ``split`` and ``subset``: see :mod:`sft_trainer.data.sources`."""
     files, final, inputs, options = _store_location(
         paths,
         tokenizer,
