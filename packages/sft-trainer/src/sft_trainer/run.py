@@ -13,7 +13,6 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import Subset
 
 from cp_core import CPTopology
 from sft_trainer.checkpoint import check_resume, maybe_resume, resume_checkpoint, save_checkpoint
@@ -208,7 +207,7 @@ def _stop(rank: int, message: str) -> NoReturn:
 def worker(cfg) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from sft_trainer.data import DataError, build_training_rows
+    from sft_trainer.data import DataError, ReplicaRows, build_training_rows
     from sft_trainer.lora import dropout_seed
     from sft_trainer.tokenizer_fit import load_tokenizer
 
@@ -264,9 +263,10 @@ def worker(cfg) -> dict[str, Any]:
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: lr_lambda(s, warmup, steps, cfg.train.decay, cfg.train.min_lr_ratio)
         )
-        my_rows = Subset(rows, range(mesh.get_local_rank("dp"), len(rows), dp))  # rows are read when a step asks
-        if not my_rows:
-            raise SystemExit(f"no packed rows for dp rank {mesh.get_local_rank('dp')} ({len(rows)} rows for dp={dp})")
+        try:  # equal rows per replica, reshuffled each epoch; rows are read when a step asks
+            my_rows = ReplicaRows(rows, mesh.get_local_rank("dp"), dp)
+        except DataError as exc:
+            _stop(rank, f"data.path={str(cfg.data_path)!r}: {exc}")
         out_dir = Path(cfg.output_dir)
         ckpt_dir = cfg.checkpoint_dir
         start_step = maybe_resume(cfg, model, optimizer, scheduler)
@@ -295,7 +295,7 @@ def worker(cfg) -> dict[str, Any]:
         if rank == 0:
             progress = Progress(steps, start_step, cfg.logging.log_every, cfg.logging.progress_bar)
         for step in range(start_step, steps):
-            batch = [my_rows[(step * per_step + i) % len(my_rows)] for i in range(per_step)]
+            batch = [my_rows[step * per_step + i] for i in range(per_step)]  # data position: resumes exactly
             started = time.perf_counter()
             loss, tokens, grad_norm, skipped = train_step(
                 model,

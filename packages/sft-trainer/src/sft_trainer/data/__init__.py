@@ -78,7 +78,7 @@ from sft_trainer.data.conversations import (
     tiny_vl_processor_dir,
     validate_messages,
 )
-from sft_trainer.data.dataset import PackedDataset, build_training_rows, rows_for_rank, store_options
+from sft_trainer.data.dataset import PackedDataset, ReplicaRows, build_training_rows, rows_for_rank, store_options
 from sft_trainer.data.images import VisionTokens, conversation_images, load_image, load_image_processor, load_processor
 from sft_trainer.data.packing import PackedRow, PackResult, PackStats, collate_packed, pack_examples
 
@@ -94,6 +94,7 @@ __all__ = [
     "PackStats",
     "PackedDataset",
     "PackedRow",
+    "ReplicaRows",
     "TokenizedConversation",
     "VisionTokens",
     "assistant_spans",

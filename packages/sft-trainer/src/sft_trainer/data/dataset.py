@@ -260,3 +260,28 @@ def rows_for_rank(dataset: Dataset, dp_rank: int, dp_size: int, *, epoch: int = 
     if epoch:
         random.Random(getattr(dataset, "seed", 0) * 1_000_003 + epoch).shuffle(order)
     return Subset(dataset, order[dp_rank : per_rank * dp_size : dp_size])
+
+
+class ReplicaRows:
+    """The rows of data-parallel replica ``dp_rank`` in training order over all epochs: ``rows[p]`` is the replica's
+    ``p``-th row, from epoch ``p // per_epoch`` of :func:`rows_for_rank` (reshuffled each epoch with the dataset's
+    seed, the same count for every replica). A run's data position is ``p``, so a resumed run reads the same rows."""
+
+    def __init__(self, dataset: Dataset, dp_rank: int, dp_size: int):
+        self.dataset, self.dp_rank, self.dp_size = dataset, dp_rank, dp_size
+        self._epoch = 0
+        self._rows = rows_for_rank(dataset, dp_rank, dp_size, epoch=0)
+        self.per_epoch = len(self._rows)
+
+    def epoch_of(self, position: int) -> int:
+        return position // self.per_epoch
+
+    def index(self, position: int) -> int:
+        """The dataset index of the replica's row at ``position``."""
+        epoch, offset = divmod(position, self.per_epoch)
+        if epoch != self._epoch:  # one permutation per epoch, kept while the run is in it
+            self._rows, self._epoch = rows_for_rank(self.dataset, self.dp_rank, self.dp_size, epoch=epoch), epoch
+        return self._rows.indices[offset]
+
+    def __getitem__(self, position: int) -> Any:
+        return self.dataset[self.index(position)]
