@@ -17,8 +17,6 @@ import torch
 from transformers import AutoTokenizer
 
 from cp_core.testing import GlooWorkers, RankFailure
-from sft_trainer.data import store as data_store
-from sft_trainer.data import tokenize as data_tokenize
 from sft_trainer.data import (
     IGNORE_INDEX,
     DataError,
@@ -31,6 +29,8 @@ from sft_trainer.data import (
     tiny_vl_processor_dir,
     tokenize_conversation,
 )
+from sft_trainer.data import store as data_store
+from sft_trainer.data import tokenize as data_tokenize
 from sft_trainer.data.pack_plan import best_fit_decreasing, plan_key
 from sft_trainer.data.rows import open_packed_store, open_packed_store_distributed, open_token_store
 

@@ -15,7 +15,13 @@ import torch
 import torch.distributed as dist
 
 from cp_core import CPTopology
-from sft_trainer.checkpoint import check_resume, maybe_resume, resume_checkpoint, save_checkpoint
+from sft_trainer.checkpoint import (
+    check_resume,
+    data_change_problem,
+    maybe_resume,
+    resume_checkpoint,
+    save_checkpoint,
+)
 from sft_trainer.progress import Progress
 from sft_trainer.report import write_report_at_end
 from sft_trainer.run_folder import hold_run_folders, output_problems
@@ -249,6 +255,9 @@ def worker(cfg) -> dict[str, Any]:
                 f"data.path={str(cfg.data_path)!r}: no packed row holds a loss token ({data_stats}); nothing would be "
                 "learned: raise data.seq_len or check that the conversations have assistant replies",
             )
+        data_change = data_change_problem(cfg, rows.fingerprint)  # the launcher checks it first where it can
+        if data_change:
+            _stop(rank, data_change)
         model = build_model(cfg, tokenizer, device, mesh, topology)
         torch.manual_seed(dropout_seed(cfg.train.seed, rank))  # dropout's draws; restored instead on resume
         params = [p for p in model.parameters() if p.requires_grad]
@@ -283,11 +292,12 @@ def worker(cfg) -> dict[str, Any]:
         losses = []
         per_step = cfg.train.grad_accum
 
-        def run_state(done: int) -> dict[str, int]:  # what a resume must match, and where this rank's data stands
+        def run_state(done: int) -> dict[str, Any]:  # what a resume must match, and where this rank's data stands
             return {
                 "train_steps": steps,
                 "grad_accum": per_step,
                 "data_position": done * per_step,
+                "data_fingerprint": rows.fingerprint,
                 "world_size": dp * cp,
             }
 
@@ -514,7 +524,7 @@ def start(argv: list[str] | None = None) -> None:
         dp, cp = world_layout(cfg)  # the process layout must fit before anything starts
     except ConfigError as exc:
         raise SystemExit(f"sft-train: invalid configuration:\n{exc}") from None
-    problems = check_resume(cfg, dp * cp)
+    problems = check_resume(cfg, dp * cp) or _data_change(cfg)
     if problems:
         raise SystemExit("sft-train: cannot resume:\n" + "\n".join(f"  - {p}" for p in problems))
     problems = output_problems(cfg) + runtime_problems(cfg)
@@ -525,6 +535,32 @@ def start(argv: list[str] | None = None) -> None:
     if _backend(cfg) == "nccl" and os.environ.get("RANK", "0") == "0":  # a GPU run
         warn_when_plan_does_not_fit(cfg)
     launch(cfg)
+
+
+def _data_change(cfg) -> list[str]:
+    """The resumed checkpoint's data fingerprint against this run's data, before any worker starts (the workers
+    check it again when it cannot be computed here, e.g. an unreadable tokenizer, which they report)."""
+    from sft_trainer.data.sources import needs_datasets
+
+    if resume_checkpoint(cfg) is None or needs_datasets(str(cfg.data_path)):  # a hub set is fetched by the workers
+        return []
+    try:
+        from sft_trainer.data import load_image_processor, store_options
+        from sft_trainer.data.lookup import data_fingerprint
+        from sft_trainer.tokenizer_fit import load_tokenizer
+
+        processor = load_image_processor(cfg.processor_path) if cfg.vision_language and cfg.processor_path else None
+        fingerprint = data_fingerprint(
+            cfg.data_path,
+            load_tokenizer(cfg.tokenizer_path),
+            cfg.data.seq_len,
+            image_processor=processor,
+            **store_options(cfg.data),
+        )
+    except Exception:
+        return []
+    problem = data_change_problem(cfg, fingerprint)
+    return [problem] if problem else []
 
 
 def runtime_problems(cfg) -> list[str]:

@@ -88,6 +88,11 @@ class StoreDataset(Dataset):
     def efficiency(self) -> float:
         return self.plan.efficiency
 
+    @property
+    def fingerprint(self) -> str:
+        """The token store's and the pack plan's folder names: they change with anything that changes the rows."""
+        return f"{self.store.path.name}/{self.plan.path.name}"
+
     def __len__(self) -> int:
         return self.plan.stats.rows
 
@@ -221,40 +226,6 @@ def _store_location(
     )
     data_store.save_memo(memo_path, memo)
     return files, cache / f"tokens-{key}", inputs, options
-
-
-def cached_packing(
-    paths: str | os.PathLike | Sequence[str | os.PathLike],
-    tokenizer: Any,
-    seq_len: int,
-    *,
-    seed: int = 0,
-    overlong: Overlong = "truncate",
-    on_error: OnError = "raise",
-    image_processor: Any = None,
-    cache_dir: str | os.PathLike | None = None,
-    **source: Any,
-) -> dict[str, Any]:
-    """What packing these files gives, from the token cache, without tokenizing: ``{"cache": folder, "cached":
-    bool}`` plus, when the store exists, ``efficiency`` and the :class:`~sft_trainer.data.PackStats` fields (the
-    pack plan is written when missing, which takes seconds)."""
-    _, final, _, _ = _store_location(
-        paths,
-        tokenizer,
-        cache_dir=cache_dir,
-        image_processor=image_processor,
-        end_of_turn=None,
-        chat_template_kwargs=None,
-        vision_tokens=None,
-        on_error=on_error,
-        **source,
-    )
-    try:
-        store = data_store.TokenStore.open(final)
-    except data_store.StoreError:
-        return {"cache": str(final), "cached": False}
-    plan = open_or_write_pack_plan(store, seq_len, overlong=overlong, seed=seed)
-    return {"cache": str(final), "cached": True, "efficiency": plan.efficiency, **plan.stats.as_dict()}
 
 
 def open_token_store(
