@@ -106,10 +106,12 @@ def test_resume_reproduces_losses(tmp_path):
         *("--output_dir", str(tmp_path / "changed"), "--parallel.cp", "2", "--train.steps", str(STEPS)),
         *("--data.seq_len", "128", "--data.path", str(changed), "--checkpoint.resume", str(ckpt)),
     )
-    line = one_line_failure(proc)
-    found = re.findall(r"tokens-\w+/pack-\w+", line)
-    assert found[0] == recorded and len(found) == 2 and found[1] != recorded, line
-    assert "checkpoint.allow_data_change = true" in line and "[sft-train] dp=" not in proc.stdout
+    assert one_line_failure(proc) == "sft-train: cannot resume:"
+    problems = [line for line in proc.stderr.splitlines() if line.startswith("  - ")]
+    assert len(problems) == 1, proc.stderr
+    found = re.findall(r"tokens-\w+/pack-\w+", problems[0])
+    assert len(found) == 2 and found[0] == recorded and found[1] != recorded, problems[0]
+    assert "checkpoint.allow_data_change = true" in problems[0] and "[sft-train] dp=" not in proc.stdout
 
 
 def test_data_change_is_refused_unless_allowed(tmp_path):
