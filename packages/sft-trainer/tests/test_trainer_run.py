@@ -104,6 +104,7 @@ def test_resume_reproduces_losses(tmp_path):
     changed.write_text("".join(tiny_chat_path().read_text().splitlines(keepends=True)[:-1]))
     proc, _ = sft_train(
         *("--output_dir", str(tmp_path / "changed"), "--parallel.cp", "2", "--train.steps", str(STEPS)),
+        *("--train.warmup_steps", "1"),
         *("--data.seq_len", "128", "--data.path", str(changed), "--checkpoint.resume", str(ckpt)),
     )
     assert one_line_failure(proc) == "sft-train: cannot resume:"

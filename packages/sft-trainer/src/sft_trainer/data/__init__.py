@@ -46,9 +46,10 @@ so labels are already shifted and can be sharded with the input ids (``cp_core.s
 of every document has label -100.
 
 **Ranks.** All ranks of a CP group must train on the same rows, different data-parallel replicas on different
-rows: :func:`rows_for_rank` takes the *dp* coordinates only. Building is deterministic, so every process may build
-the dataset itself (each reads and tokenizes the whole file once); pass ``group=`` to :meth:`PackedDataset.build`
-to have rank 0 of that group build it and broadcast it to the others instead.
+rows: :func:`rows_for_rank` takes the *dp* coordinates only; :class:`ReplicaRows` strings its epochs together
+(reshuffled with the seed) so that a run's data position picks each step's rows. Building is deterministic, so
+every process may build the dataset itself (each reads and tokenizes the whole file once); pass ``group=`` to
+:meth:`PackedDataset.build` to have rank 0 of that group build it and broadcast it to the others instead.
 
 Modules: :mod:`~sft_trainer.data.conversations` (the message schema, JSONL/Parquet readers),
 :mod:`~sft_trainer.data.sources` (other forms: another column, ShareGPT turns, HF ``datasets`` folders and hub
