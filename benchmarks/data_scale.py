@@ -46,7 +46,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
     from transformers import AutoTokenizer
 
     from sft_trainer.data import load_image_processor, tiny_tokenizer_dir
-    from sft_trainer.data_rows import open_packed_store_distributed
+    from sft_trainer.data.rows import open_packed_store_distributed
 
     dist.init_process_group("gloo")
     tokenizer = AutoTokenizer.from_pretrained(args.processor or args.tokenizer or tiny_tokenizer_dir())
@@ -115,7 +115,7 @@ def measure(args: argparse.Namespace, out: Path) -> list[dict]:
 
 def time_sft_train(args: argparse.Namespace, output_dir: Path) -> float:
     """Seconds from launching ``sft-train`` (tiny model, this data) to its first step line."""
-    cmd = [sys.executable, "-c", "from sft_trainer.run import main; main()"]
+    cmd = [sys.executable, "-c", "from sft_trainer.cli import main; main()"]
     cmd += ["--data.path", str(args.data), "--data.seq_len", str(args.seq_len), "--parallel.cp", str(args.cp)]
     cmd += ["--data.cache_dir", str(args.cache), "--train.steps", "1", "--train.warmup_steps", "0"]
     cmd += ["--output_dir", str(output_dir), "--checkpoint.export_hf", "false"]

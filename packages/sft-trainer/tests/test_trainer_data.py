@@ -18,6 +18,7 @@ from sft_trainer.data import (
     DataError,
     PackedDataset,
     PackedRow,
+    ReplicaRows,
     collate_packed,
     load_conversations,
     pack_examples,
@@ -320,6 +321,40 @@ def test_dp_ranks_get_disjoint_rows_and_cp_ranks_the_same(tokenizer, conversatio
     assert list(rows_for_rank(dataset, 0, dp, epoch=1).indices) != list(rows_for_rank(dataset, 0, dp).indices)
     with pytest.raises(ValueError, match="dp rank"):
         rows_for_rank(dataset, 2, 2)
+
+
+class _Rows(list):
+    """A dataset of its own indices, with the seed a packed dataset carries."""
+
+    def __init__(self, n: int, seed: int):
+        super().__init__(range(n))
+        self.seed = seed
+
+
+def test_replica_rows_equal_per_replica_reshuffled_per_epoch_and_resumable():
+    n, dp = 11, 3  # 11 rows do not divide over 3 replicas: 3 each per epoch, 2 left out
+    dataset = _Rows(n, seed=5)
+    replicas = [ReplicaRows(dataset, r, dp) for r in range(dp)]
+    assert [r.per_epoch for r in replicas] == [3, 3, 3]
+    epochs = []
+    for epoch in range(4):
+        rows = [[r[epoch * 3 + i] for i in range(3)] for r in replicas]
+        flat = [row for replica in rows for row in replica]
+        assert len(flat) == len(set(flat)) == 9  # every row at most once per epoch, across replicas
+        assert all(replicas[0].epoch_of(epoch * 3 + i) == epoch for i in range(3))
+        epochs.append(rows)
+    assert epochs[0][0] == [0, 3, 6]  # epoch 0 keeps the dataset's (already shuffled) order
+    assert len({tuple(e[0]) for e in epochs}) == 4  # each epoch another order
+    again = ReplicaRows(_Rows(n, seed=5), 1, dp)
+    assert [again[p] for p in range(12)] == [row for e in epochs for row in e[1]]  # the same for the seed
+    other = ReplicaRows(_Rows(n, seed=6), 1, dp)
+    assert [other[p] for p in range(3, 12)] != [row for e in epochs[1:] for row in e[1]]
+    # a resumed run starts at data_position = steps done * grad_accum, in any epoch, and reads the same rows
+    grad_accum, done = 2, 4
+    resumed = ReplicaRows(_Rows(n, seed=5), 2, dp)
+    assert [resumed[done * grad_accum + i] for i in range(4)] == [row for e in epochs for row in e[2]][8:12]
+    with pytest.raises(DataError, match="cannot feed dp=12"):
+        ReplicaRows(dataset, 0, 12)
 
 
 def _build_in_group(topology, data_dir: str, bad: bool):

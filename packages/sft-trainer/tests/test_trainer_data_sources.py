@@ -24,8 +24,8 @@ from sft_trainer.data import (
     tiny_vl_chat_path,
     tiny_vl_processor_dir,
 )
-from sft_trainer.data_rows import open_packed_store, open_token_store
-from sft_trainer.data_sources import row_messages, sharegpt_to_messages
+from sft_trainer.data.rows import open_packed_store, open_token_store
+from sft_trainer.data.sources import row_messages, sharegpt_to_messages
 
 datasets = pytest.importorskip("datasets")
 

@@ -17,7 +17,6 @@ import torch
 from transformers import AutoTokenizer
 
 from cp_core.testing import GlooWorkers, RankFailure
-from sft_trainer import data_store, data_tokenize
 from sft_trainer.data import (
     IGNORE_INDEX,
     DataError,
@@ -30,8 +29,10 @@ from sft_trainer.data import (
     tiny_vl_processor_dir,
     tokenize_conversation,
 )
-from sft_trainer.data_packing import best_fit_decreasing, plan_key
-from sft_trainer.data_rows import open_packed_store, open_packed_store_distributed, open_token_store
+from sft_trainer.data import store as data_store
+from sft_trainer.data import tokenize as data_tokenize
+from sft_trainer.data.pack_plan import best_fit_decreasing, plan_key
+from sft_trainer.data.rows import open_packed_store, open_packed_store_distributed, open_token_store
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -223,10 +224,30 @@ def _open_on_rank(topology, data: str, cache: str, vl: bool):
     else:
         tokenizer, processor = AutoTokenizer.from_pretrained(tiny_tokenizer_dir()), None
     path = data if topology.rank == 0 else data + ".not-read-on-this-rank"  # one process per node reads
+    return _rows_on_rank(path, tokenizer, processor, cache)
+
+
+def _rows_on_rank(path: str, tokenizer, processor, cache: str):
     dataset = open_packed_store_distributed(
         path, tokenizer, 128, seed=2, cache_dir=cache, image_processor=processor, num_proc=1
     )
     return dataset.stats, [dataset[i].as_dict() for i in range(len(dataset))]
+
+
+def _open_warm_on_rank(topology, data: str, cache: str):
+    """Both ranks find the complete store: they open it without a process group of its own."""
+    import torch.distributed as dist
+
+    new_group = dist.new_group
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a warm start created a process group")
+
+    dist.new_group = refuse
+    try:
+        return _rows_on_rank(data, AutoTokenizer.from_pretrained(tiny_tokenizer_dir()), None, cache)
+    finally:
+        dist.new_group = new_group
 
 
 def test_one_rank_builds_and_every_rank_reads_the_same_rows(tmp_path):
@@ -236,8 +257,9 @@ def test_one_rank_builds_and_every_rank_reads_the_same_rows(tmp_path):
         (stats0, rows0), (stats1, rows1) = workers.run(_open_on_rank, str(tiny_chat_path()), str(tmp_path), False)
         vl0, vl1 = workers.run(_open_on_rank, str(tiny_vl_chat_path()), str(tmp_path), True)
         failures = workers.run_collect(_open_on_rank, str(bad), str(tmp_path), False)
-    assert stats0 == stats1 and stats0.documents == 400 and len(rows0) == len(rows1) == stats0.rows
-    for a, b in zip(rows0 + vl0[1], rows1 + vl1[1], strict=True):
+        (warm0, wrows0), (warm1, wrows1) = workers.run(_open_warm_on_rank, str(tiny_chat_path()), str(tmp_path))
+    assert stats0 == stats1 == warm0 == warm1 and stats0.documents == 400 and len(rows0) == len(rows1) == stats0.rows
+    for a, b in zip(rows0 + vl0[1] + wrows0 + wrows1, rows1 + vl1[1] + rows0 + rows0, strict=True):
         for key, value in a.items():
             other = b[key]
             assert (value is None and other is None) or (

@@ -3,6 +3,7 @@ export loads in transformers with the same logits."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -10,7 +11,11 @@ import sys
 
 import pytest
 import torch
-from trainer_runs import STEPS, _assert_same_run, _train, read_wandb_records, wandb_items
+from trainer_runs import STEPS, _assert_same_run, _train, one_line_failure, read_wandb_records, sft_train, wandb_items
+
+from sft_trainer.checkpoint import EXTRA_FORMAT, data_change_problem
+from sft_trainer.config import load_config
+from sft_trainer.data import tiny_chat_path
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +97,39 @@ def test_resume_reproduces_losses(tmp_path):
     assert (resumed_dir / "metrics.1.jsonl").read_text().count("\n") == STEPS - 1
     assert sorted(p.name for p in (resumed_dir / "checkpoints.1").iterdir()) == ["latest", f"step-{STEPS:06d}"]
     assert (resumed_dir / "checkpoints" / "latest").read_text() == f"step-{STEPS:06d}"
+    # The checkpoint records its data's fingerprint: other data is refused in one line, before any worker starts.
+    recorded = json.loads((ckpt / "extra-rank0.json").read_text())["data_fingerprint"]
+    assert re.fullmatch(r"tokens-\w+/pack-\w+", recorded)
+    changed = tmp_path / "changed.jsonl"
+    changed.write_text("".join(tiny_chat_path().read_text().splitlines(keepends=True)[:-1]))
+    proc, _ = sft_train(
+        *("--output_dir", str(tmp_path / "changed"), "--parallel.cp", "2", "--train.steps", str(STEPS)),
+        *("--train.warmup_steps", "1"),
+        *("--data.seq_len", "128", "--data.path", str(changed), "--checkpoint.resume", str(ckpt)),
+    )
+    assert one_line_failure(proc) == "sft-train: cannot resume:"
+    problems = [line for line in proc.stderr.splitlines() if line.startswith("  - ")]
+    assert len(problems) == 1, proc.stderr
+    found = re.findall(r"tokens-\w+/pack-\w+", problems[0])
+    assert len(found) == 2 and found[0] == recorded and found[1] != recorded, problems[0]
+    assert "checkpoint.allow_data_change = true" in problems[0] and "[sft-train] dp=" not in proc.stdout
+
+
+def test_data_change_is_refused_unless_allowed(tmp_path):
+    """A checkpoint whose recorded data fingerprint differs from the run's data is refused, naming both, unless
+    checkpoint.allow_data_change is set; one without a fingerprint resumes as before."""
+    ckpt = tmp_path / "step-000001"
+    ckpt.mkdir()
+    state = {"format": EXTRA_FORMAT, "step": 1, "train_steps": 3, "grad_accum": 1, "world_size": 1, "scheduler": {}}
+    (ckpt / "extra-rank0.json").write_text(json.dumps({**state, "data_fingerprint": "tokens-a/pack-b"}))
+    cfg = load_config(None, ["--checkpoint.resume", str(ckpt)], fetch_weights=False)
+    assert data_change_problem(cfg, "tokens-a/pack-b") is None
+    problem = data_change_problem(cfg, "tokens-c/pack-b")
+    assert "fingerprint tokens-a/pack-b" in problem and "has tokens-c/pack-b" in problem
+    allowed = load_config(None, ["--checkpoint.resume", str(ckpt), "--checkpoint.allow_data_change", "true"])
+    assert data_change_problem(allowed, "tokens-c/pack-b") is None
+    (ckpt / "extra-rank0.json").write_text(json.dumps(state))
+    assert data_change_problem(cfg, "tokens-c/pack-b") is None
 
 
 def test_data_without_rows_stops_with_one_clean_line(tmp_path):

@@ -313,6 +313,23 @@ def check_resume(cfg, world: int) -> list[str]:
     return problems
 
 
+def data_change_problem(cfg, fingerprint: str) -> str | None:
+    """Why the checkpoint to resume from does not fit data of ``fingerprint`` (None: it does, the run starts fresh,
+    the checkpoint records no fingerprint, or ``checkpoint.allow_data_change`` is set): its data position counts
+    rows of the data it was trained on."""
+    path = resume_checkpoint(cfg)
+    if path is None or cfg.checkpoint.allow_data_change or not extra_path(path, 0).is_file():
+        return None
+    recorded = read_extra_state(path, 0).get("data_fingerprint")
+    if recorded is None or recorded == fingerprint:
+        return None
+    return (
+        f"checkpoint.resume: {path} was trained on data with fingerprint {recorded} and this run's data has "
+        f"{fingerprint} (the files, tokenizer, chat template or data.seq_len/seed/overlong changed); resume with "
+        "the data it was trained on, or set checkpoint.allow_data_change = true to continue on the new data"
+    )
+
+
 def shard_problems(path: Path, metadata) -> str:
     """The DCP data files the metadata names that are missing or shorter than it says ('' when none)."""
     needed: dict[str, int] = {}

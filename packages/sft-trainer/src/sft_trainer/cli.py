@@ -58,6 +58,33 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise
 
 
+def _data_change(cfg) -> list[str]:
+    """The resumed checkpoint's data fingerprint against this run's data, before any worker starts (the workers
+    check it again when it cannot be computed here, e.g. an unreadable tokenizer, which they report)."""
+    from sft_trainer.checkpoint import data_change_problem, resume_checkpoint
+    from sft_trainer.data.sources import needs_datasets
+
+    if resume_checkpoint(cfg) is None or needs_datasets(str(cfg.data_path)):  # a hub set is fetched by the workers
+        return []
+    try:
+        from sft_trainer.data import load_image_processor, store_options
+        from sft_trainer.data.lookup import data_fingerprint
+        from sft_trainer.tokenizer_fit import load_tokenizer
+
+        processor = load_image_processor(cfg.processor_path) if cfg.vision_language and cfg.processor_path else None
+        fingerprint = data_fingerprint(
+            cfg.data_path,
+            load_tokenizer(cfg.tokenizer_path),
+            cfg.data.seq_len,
+            image_processor=processor,
+            **store_options(cfg.data),
+        )
+    except Exception:  # whatever fails here fails again in the workers, which say it in one line
+        return []
+    problem = data_change_problem(cfg, fingerprint)
+    return [problem] if problem else []
+
+
 def start(argv: Sequence[str] | None = None) -> None:
     """Dispatch ``argv`` (default: the process's arguments) to its subcommand, else train."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -84,7 +111,7 @@ def train_main(argv: Sequence[str]) -> None:
         dp, cp = cfg.parallel.world_layout()  # the process layout must fit before anything starts
     except ConfigError as exc:
         raise SystemExit(f"sft-train: invalid configuration:\n{exc}") from None
-    problems = check_resume(cfg, dp * cp)
+    problems = check_resume(cfg, dp * cp) or _data_change(cfg)
     if problems:
         raise SystemExit("sft-train: cannot resume:\n" + "\n".join(f"  - {p}" for p in problems))
     problems = output_problems(cfg) + runtime_problems(cfg)

@@ -49,7 +49,7 @@ def render_document(
 
 
 def render_row(dataset: Any, index: int, tokenizer: Any, *, color: bool) -> str:
-    """Row ``index`` of a :class:`~sft_trainer.data_rows.StoreDataset`: a header, then each document's source,
+    """Row ``index`` of a :class:`~sft_trainer.data.rows.StoreDataset`: a header, then each document's source,
     length and text. Token ``t`` of a document carries loss when ``labels[t - 1]`` is set (labels are shifted)."""
     row = dataset[index]
     store, plan = dataset.store, dataset.plan

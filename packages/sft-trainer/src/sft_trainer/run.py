@@ -15,10 +15,9 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import Subset
 
 from cp_core import CPTopology
-from sft_trainer.checkpoint import maybe_resume, resume_checkpoint, save_checkpoint
+from sft_trainer.checkpoint import data_change_problem, maybe_resume, resume_checkpoint, save_checkpoint
 from sft_trainer.model import ModelLoadError, build_model, one_line
 from sft_trainer.progress import Progress
 from sft_trainer.report import write_report_at_end
@@ -124,7 +123,7 @@ def _wait_for_every_rank(timeout_s: float) -> None:
 def worker(cfg) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from sft_trainer.data import DataError, build_training_rows
+    from sft_trainer.data import DataError, ReplicaRows, build_training_rows
     from sft_trainer.lora import dropout_seed
     from sft_trainer.tokenizer_fit import load_tokenizer
 
@@ -166,6 +165,9 @@ def worker(cfg) -> dict[str, Any]:
                 f"data.path={str(cfg.data_path)!r}: no packed row holds a loss token ({data_stats}); nothing would be "
                 "learned: raise data.seq_len or check that the conversations have assistant replies",
             )
+        data_change = data_change_problem(cfg, rows.fingerprint)  # the launcher checks it first where it can
+        if data_change:
+            _stop(rank, data_change)
         try:
             model = build_model(cfg, tokenizer, mesh)
         except ModelLoadError as exc:
@@ -183,9 +185,10 @@ def worker(cfg) -> dict[str, Any]:
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: lr_lambda(s, warmup, steps, cfg.train.decay, cfg.train.min_lr_ratio)
         )
-        my_rows = Subset(rows, range(mesh.get_local_rank("dp"), len(rows), dp))  # rows are read when a step asks
-        if not my_rows:
-            raise SystemExit(f"no packed rows for dp rank {mesh.get_local_rank('dp')} ({len(rows)} rows for dp={dp})")
+        try:  # equal rows per replica, reshuffled each epoch; rows are read when a step asks
+            my_rows = ReplicaRows(rows, mesh.get_local_rank("dp"), dp)
+        except DataError as exc:
+            _stop(rank, f"data.path={str(cfg.data_path)!r}: {exc}")
         out_dir = Path(cfg.output_dir)
         ckpt_dir = cfg.checkpoint_dir
         start_step = maybe_resume(cfg, model, optimizer, scheduler)
@@ -202,11 +205,12 @@ def worker(cfg) -> dict[str, Any]:
         losses = []
         per_step = cfg.train.grad_accum
 
-        def run_state(done: int) -> dict[str, int]:  # what a resume must match, and where this rank's data stands
+        def run_state(done: int) -> dict[str, Any]:  # what a resume must match, and where this rank's data stands
             return {
                 "train_steps": steps,
                 "grad_accum": per_step,
                 "data_position": done * per_step,
+                "data_fingerprint": rows.fingerprint,
                 "world_size": dp * cp,
             }
 
@@ -214,7 +218,7 @@ def worker(cfg) -> dict[str, Any]:
         if rank == 0:
             progress = Progress(steps, start_step, cfg.logging.log_every, cfg.logging.progress_bar)
         for step in range(start_step, steps):
-            batch = [my_rows[(step * per_step + i) % len(my_rows)] for i in range(per_step)]
+            batch = [my_rows[step * per_step + i] for i in range(per_step)]  # data position: resumes exactly
             started = time.perf_counter()
             loss, tokens, grad_norm, skipped = train_step(
                 model,

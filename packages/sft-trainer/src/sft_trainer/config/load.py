@@ -97,7 +97,7 @@ def check_config(cfg: TrainConfig) -> list[str]:
         if not train.lora.targets:
             problems.append("train.lora.targets=[]: must name at least one linear layer when train.lora.enabled=true")
 
-    from sft_trainer.data_sources import needs_datasets
+    from sft_trainer.data.sources import needs_datasets
 
     for field_name, value, kind in (
         ("data.path", cfg.data_path, "file or folder"),

@@ -95,6 +95,11 @@ class CheckpointConfig(_Section):
         description="true (or 'latest'): resume from the latest checkpoint in `dir` (start fresh if none); a path: resume "
         "from that checkpoint (must exist); false: start fresh.",
     )
+    allow_data_change: bool = Field(
+        False,
+        description="Resume even when the data's fingerprint (token store and pack plan keys) differs from the one the "
+        "checkpoint records; the data position then points into other rows.",
+    )
     export_hf: bool = Field(True, description="At the end, write an HF checkpoint folder under `output_dir`/hf.")
     merge_lora: bool = Field(
         True, description="With LoRA, merge the adapters into the exported weights (else export adapters separately)."

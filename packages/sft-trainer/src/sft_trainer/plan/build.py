@@ -246,7 +246,7 @@ def _data_packing(cfg) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from sft_trainer.data import store_options
-    from sft_trainer.data_rows import cached_packing
+    from sft_trainer.data.lookup import cached_packing
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)

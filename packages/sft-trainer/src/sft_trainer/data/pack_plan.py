@@ -25,8 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from sft_trainer import data_store
-from sft_trainer.data import Overlong, PackStats
+from sft_trainer.data import store as data_store
+from sft_trainer.data.conversations import Overlong
+from sft_trainer.data.packing import PackStats
 
 PACKING = "best_fit_decreasing"
 _PLAN_FORMAT = 1

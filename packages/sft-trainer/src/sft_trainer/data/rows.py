@@ -27,21 +27,14 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from sft_trainer import data_store
-from sft_trainer.data import (
-    IGNORE_INDEX,
-    DataError,
-    OnError,
-    Overlong,
-    PackedRow,
-    PackStats,
-    VisionTokens,
-    _portable_error,
-    load_image,
-)
-from sft_trainer.data_packing import PackPlan, open_or_write_pack_plan
-from sft_trainer.data_sources import resolve_data_files
-from sft_trainer.data_tokenize import default_num_proc, options_for_key, token_options, write_token_store
+from sft_trainer.data import store as data_store
+from sft_trainer.data.conversations import IGNORE_INDEX, DataError, OnError, Overlong
+from sft_trainer.data.dataset import _portable_error
+from sft_trainer.data.images import VisionTokens, load_image
+from sft_trainer.data.pack_plan import PackPlan, open_or_write_pack_plan, plan_key
+from sft_trainer.data.packing import PackedRow, PackStats
+from sft_trainer.data.sources import needs_datasets, resolve_data_files
+from sft_trainer.data.tokenize import default_num_proc, options_for_key, token_options, write_token_store
 
 BUILD_TIMEOUT = timedelta(hours=12)
 """How long the other ranks wait for their node's builder to tokenize and pack."""
@@ -94,6 +87,11 @@ class StoreDataset(Dataset):
     @property
     def efficiency(self) -> float:
         return self.plan.efficiency
+
+    @property
+    def fingerprint(self) -> str:
+        """The token store's and the pack plan's folder names: they change with anything that changes the rows."""
+        return f"{self.store.path.name}/{self.plan.path.name}"
 
     def __len__(self) -> int:
         return self.plan.stats.rows
@@ -199,7 +197,7 @@ def _store_location(
     subset: str | None = None,
 ) -> tuple[list[Path], Path, dict[str, Any], dict[str, Any]]:
     """``(files, store folder, key inputs, worker options)`` of these files (or ``datasets`` source, see
-    :mod:`sft_trainer.data_sources`) and settings."""
+    :mod:`sft_trainer.data.sources`) and settings."""
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     cache = Path(cache_dir) if cache_dir is not None else data_store.default_cache_dir()
@@ -230,40 +228,6 @@ def _store_location(
     return files, cache / f"tokens-{key}", inputs, options
 
 
-def cached_packing(
-    paths: str | os.PathLike | Sequence[str | os.PathLike],
-    tokenizer: Any,
-    seq_len: int,
-    *,
-    seed: int = 0,
-    overlong: Overlong = "truncate",
-    on_error: OnError = "raise",
-    image_processor: Any = None,
-    cache_dir: str | os.PathLike | None = None,
-    **source: Any,
-) -> dict[str, Any]:
-    """What packing these files gives, from the token cache, without tokenizing: ``{"cache": folder, "cached":
-    bool}`` plus, when the store exists, ``efficiency`` and the :class:`~sft_trainer.data.PackStats` fields (the
-    pack plan is written when missing, which takes seconds)."""
-    _, final, _, _ = _store_location(
-        paths,
-        tokenizer,
-        cache_dir=cache_dir,
-        image_processor=image_processor,
-        end_of_turn=None,
-        chat_template_kwargs=None,
-        vision_tokens=None,
-        on_error=on_error,
-        **source,
-    )
-    try:
-        store = data_store.TokenStore.open(final)
-    except data_store.StoreError:
-        return {"cache": str(final), "cached": False}
-    plan = open_or_write_pack_plan(store, seq_len, overlong=overlong, seed=seed)
-    return {"cache": str(final), "cached": True, "efficiency": plan.efficiency, **plan.stats.as_dict()}
-
-
 def open_token_store(
     paths: str | os.PathLike | Sequence[str | os.PathLike],
     tokenizer: Any,
@@ -283,7 +247,7 @@ def open_token_store(
 ) -> data_store.TokenStore:
     """The token store of these files and settings: reused when a complete one exists, else built with
     ``num_proc`` processes (default: every core); says which in one line through ``log``. ``messages_column``,
-    ``split`` and ``subset``: see :mod:`sft_trainer.data_sources`."""
+    ``split`` and ``subset``: see :mod:`sft_trainer.data.sources`."""
     files, final, inputs, options = _store_location(
         paths,
         tokenizer,
@@ -348,11 +312,15 @@ def open_packed_store(
 def open_packed_store_distributed(
     paths: str | os.PathLike | Sequence[str | os.PathLike], tokenizer: Any, seq_len: int, **kwargs: Any
 ) -> StoreDataset:
-    """:func:`open_packed_store` on the lowest rank of every node (host name) while the other ranks wait, which
+    """Every rank maps the store and pack plan when all of them find both complete (a warm start). Otherwise
+    :func:`open_packed_store` runs on the lowest rank of every node (host name) while the other ranks wait, which
     then map the store their node's builder wrote (the files and tokenizer are not read there). An error on any
     builder is raised on every rank (no rank waits forever)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return open_packed_store(paths, tokenizer, seq_len, **kwargs)
+    complete = _complete_on_every_rank(paths, tokenizer, seq_len, kwargs)
+    if complete is not None:  # a warm start: no group of its own (creating one costs about a second)
+        return complete
     rank = dist.get_rank()
     # The waiting ranks sit in these collectives while their builder tokenizes, which may take far longer than the
     # default process group's timeout (NCCL: 10 minutes): they wait in a CPU group of their own with a long one.
@@ -389,3 +357,47 @@ def open_packed_store_distributed(
         image_processor=kwargs.get("image_processor"),
         image_paths_outside=bool(kwargs.get("image_paths_outside", False)),
     )
+
+
+def _complete_on_every_rank(paths: Any, tokenizer: Any, seq_len: int, kwargs: Mapping[str, Any]) -> StoreDataset | None:
+    """The packed store when every rank finds its token store and pack plan complete on disk (agreed in one
+    collective on the default group), else None: then each node's builder builds what is missing. A ``datasets``
+    source is left to the builders, which materialize it."""
+    dataset = None
+    try:
+        if not (isinstance(paths, str | os.PathLike) and needs_datasets(str(paths))):
+            dataset = _open_complete(paths, tokenizer, seq_len, **kwargs)
+    except Exception:  # whatever it is, the builder meets it again and reports it
+        dataset = None
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend()) else None
+    found = torch.tensor([int(dataset is not None)], device=device)
+    dist.all_reduce(found, op=dist.ReduceOp.MIN)
+    return dataset if found.item() else None
+
+
+def _open_complete(
+    paths: Any,
+    tokenizer: Any,
+    seq_len: int,
+    *,
+    seed: int = 0,
+    overlong: Overlong = "truncate",
+    pad_token_id: int | None = None,
+    image_processor: Any = None,
+    num_proc: int | None = None,
+    log: Callable[[str], None] = _print,
+    **source: Any,
+) -> StoreDataset:
+    """:func:`open_packed_store`'s result from a complete store and pack plan, writing nothing; raises
+    :class:`~sft_trainer.data.store.StoreError` when either is missing or incomplete."""
+    defaults = {"cache_dir": None, "end_of_turn": None, "chat_template_kwargs": None, "vision_tokens": None}
+    location = {**defaults, "on_error": "raise", **source}
+    _, final, _, _ = _store_location(paths, tokenizer, image_processor=image_processor, **location)
+    store = data_store.TokenStore.open(final)
+    plan = PackPlan.open(final / f"pack-{plan_key(seq_len, overlong, seed)}")
+    if dist.get_rank() == 0:
+        counts = store.manifest["counts"]
+        log(f"data cache: reusing {final} ({counts['documents']} documents, {counts['tokens']} tokens)")
+    outside = bool(source.get("image_paths_outside", False))
+    pad = _pad_id(tokenizer, pad_token_id)
+    return StoreDataset(store, plan, pad_token_id=pad, image_processor=image_processor, image_paths_outside=outside)

@@ -26,7 +26,7 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
-from sft_trainer.data import _JSONL_SUFFIXES, _PARQUET_SUFFIXES, DataError, _expand_paths
+from sft_trainer.data.conversations import _JSONL_SUFFIXES, _PARQUET_SUFFIXES, DataError, _expand_paths
 from sft_trainer.hub import is_hub_id
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}

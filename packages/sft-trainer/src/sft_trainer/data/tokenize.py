@@ -1,4 +1,4 @@
-"""Tokenize data files into a token store (:mod:`sft_trainer.data_store`), in parallel processes.
+"""Tokenize data files into a token store (:mod:`sft_trainer.data.store`), in parallel processes.
 
 The files are cut into chunks (byte ranges of whole lines for JSONL, row groups for Parquet); each chunk is read,
 validated, rendered and tokenized by one worker process and written as one shard; the shards are then copied, in
@@ -22,23 +22,21 @@ from typing import Any
 
 import numpy as np
 
-from sft_trainer import data_store
-from sft_trainer.data import (
+from sft_trainer.data import store as data_store
+from sft_trainer.data.chat import _default_end_of_turn, tokenize_conversation
+from sft_trainer.data.conversations import (
     _JSONL_SUFFIXES,
     _MAX_REPORTED,
     _PARQUET_SUFFIXES,
     DataError,
     OnError,
-    VisionTokens,
-    _default_end_of_turn,
     _jsonl_rows,
     _open_parquet,
     _parquet_rows,
-    conversation_images,
-    tokenize_conversation,
     validate_messages,
 )
-from sft_trainer.data_sources import conversation_column, row_messages
+from sft_trainer.data.images import VisionTokens, conversation_images
+from sft_trainer.data.sources import conversation_column, row_messages
 
 _MIN_CHUNK_BYTES = 1 << 18
 _MAX_CHUNK_BYTES = 1 << 25
@@ -77,7 +75,7 @@ def default_num_proc() -> int:
 
 
 def parquet_column(path: Path, messages_column: str | None) -> str:
-    """The conversation column of a Parquet file (see :func:`sft_trainer.data_sources.conversation_column`)."""
+    """The conversation column of a Parquet file (see :func:`sft_trainer.data.sources.conversation_column`)."""
     import pyarrow.parquet as pq
 
     return conversation_column(pq.read_schema(path).names, messages_column)
