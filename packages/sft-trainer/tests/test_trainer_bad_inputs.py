@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from trainer_runs import one_line_failure, sft_train
+from trainer_runs import one_line_failure, sft_train, worker_in_process
 
 from sft_trainer.config import SHIPPED_TOKENIZER
 from sft_trainer.run import main
@@ -121,42 +121,13 @@ WORKER_CASES = [
 ]
 
 
-def _worker_in_process(monkeypatch, argv: list[str]) -> int:
-    """sft-train's worker as the only rank of a gloo group in this process: the code it exits with."""
-    import torch.distributed as dist
-
-    from sft_trainer.config import load_config
-    from sft_trainer.run import worker
-
-    env = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    c10d = dist.distributed_c10d  # the worker sets torch's default timeouts to the run's collective timeout
-    monkeypatch.setattr(c10d, "default_pg_timeout", c10d.default_pg_timeout)
-    monkeypatch.setattr(c10d, "default_pg_nccl_timeout", c10d.default_pg_nccl_timeout)
-    try:
-        worker(load_config(None, argv))
-    except SystemExit as exc:
-        assert not dist.is_initialized()
-        return exc.code if isinstance(exc.code, int) else 1
-    raise AssertionError("the worker trained instead of stopping")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("case", WORKER_CASES)
 def test_worker_mistakes_stop_with_one_clear_line(tmp_path, monkeypatch, capfd, case):
     """Every case through the worker itself (in this process, one rank): exit code 1 and one line, no traceback.
     The cases in REAL_PROCESS_CASES run as real ``sft-train`` processes below."""
     overrides, fragment = _worker_case(tmp_path, case)
     started = time.monotonic()
-    code = _worker_in_process(monkeypatch, ["--output_dir", str(tmp_path / "out"), *_CP1, *overrides])
+    code = worker_in_process(monkeypatch, ["--output_dir", str(tmp_path / "out"), *_CP1, *overrides])
     seconds = time.monotonic() - started
     stderr = capfd.readouterr().err
     line = one_line_failure(subprocess.CompletedProcess([], code, "", stderr))
