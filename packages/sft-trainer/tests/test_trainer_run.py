@@ -14,22 +14,7 @@ import pytest
 import torch
 from trainer_runs import STEPS, _assert_same_run, _train, read_wandb_records, wandb_items
 
-
-@pytest.fixture(scope="module")
-def cp1_run(tmp_path_factory):
-    """The reference: one process, a full replica (no FSDP), two rows accumulated per step (the shipped config)."""
-    out = tmp_path_factory.mktemp("cp1")
-    overrides = (
-        "--parallel.cp",
-        "1",
-        "--parallel.dp",
-        "1",
-        "--parallel.fsdp",
-        "false",
-        "--checkpoint.export_hf",
-        "true",
-    )
-    return out, _train(out, *overrides)
+# cp1_run (conftest.py): the unsharded single-process reference run.
 
 
 def test_torchrun_cp2_fsdp_equals_cp1_and_logs_to_wandb(cp1_run, tmp_path):
