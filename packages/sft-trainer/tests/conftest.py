@@ -17,3 +17,23 @@ def _token_cache(tmp_path_factory: pytest.TempPathFactory):
         os.environ.pop("SFT_TRAINER_CACHE", None)
     else:
         os.environ["SFT_TRAINER_CACHE"] = previous
+
+
+@pytest.fixture(scope="session")
+def cp1_run(tmp_path_factory):
+    """The reference run of the tiny Qwen3.5 (one process, a full replica, no FSDP, two rows accumulated per step,
+    the shipped config) and its metrics; its HF export is also the checkpoint the LoRA tests start from."""
+    from trainer_runs import _train
+
+    out = tmp_path_factory.mktemp("cp1")
+    overrides = (
+        "--parallel.cp",
+        "1",
+        "--parallel.dp",
+        "1",
+        "--parallel.fsdp",
+        "false",
+        "--checkpoint.export_hf",
+        "true",
+    )
+    return out, _train(out, *overrides)

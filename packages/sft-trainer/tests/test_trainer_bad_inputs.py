@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from trainer_runs import one_line_failure, sft_train
+from trainer_runs import one_line_failure, sft_train, worker_in_process
 
 from sft_trainer.cli import main
 from sft_trainer.config import SHIPPED_TOKENIZER
@@ -122,12 +122,32 @@ WORKER_CASES = [
 
 
 @pytest.mark.parametrize("case", WORKER_CASES)
-def test_worker_mistakes_stop_with_one_clear_line(tmp_path, case):
+def test_worker_mistakes_stop_with_one_clear_line(tmp_path, monkeypatch, capfd, case):
+    """Every case through the worker itself (in this process, one rank): exit code 1 and one line, no traceback.
+    The cases in REAL_PROCESS_CASES run as real ``sft-train`` processes below."""
+    overrides, fragment = _worker_case(tmp_path, case)
+    started = time.monotonic()
+    code = worker_in_process(monkeypatch, ["--output_dir", str(tmp_path / "out"), *_CP1, *overrides])
+    seconds = time.monotonic() - started
+    stderr = capfd.readouterr().err
+    line = one_line_failure(subprocess.CompletedProcess([], code, "", stderr))
+    assert fragment in line, line
+    assert not (tmp_path / "out" / "metrics.jsonl").exists() or case == "no_loss_token"
+    print(f"{case} (in process): {seconds:.1f} s")
+
+
+# One case of each kind the workers meet (weights, chat template) as a whole sft-train process: the launcher, its
+# worker, the exit code and the single line the user sees.
+REAL_PROCESS_CASES = ["truncated_safetensors", "template_raises"]
+
+
+@pytest.mark.parametrize("case", REAL_PROCESS_CASES)
+def test_worker_mistakes_end_the_process_with_one_clear_line(tmp_path, case):
     overrides, fragment = _worker_case(tmp_path, case)
     proc, seconds = sft_train("--output_dir", str(tmp_path / "out"), *_CP1, *overrides, timeout=240)
     line = one_line_failure(proc)
     assert fragment in line, line
-    assert not (tmp_path / "out" / "metrics.jsonl").exists() or case == "no_loss_token"
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
     print(f"{case}: {seconds:.1f} s")
 
 

@@ -41,9 +41,10 @@ BASE_STEPS = ("--parallel.cp", "1", "--train.steps", "2", "--train.grad_accum", 
 
 
 @pytest.fixture(scope="module")
-def export(tmp_path_factory):
-    """family -> (the HF export of a tiny model trained for 2 steps, that run's metrics); built once per family."""
-    built: dict[str, tuple[Path, list[dict]]] = {}
+def export(tmp_path_factory, cp1_run):
+    """family -> (the HF export of a tiny model trained for 2 steps, that run's metrics); built once per family.
+    The dense family's is the session's reference run (conftest.py: 3 steps), trained once for both modules."""
+    built: dict[str, tuple[Path, list[dict]]] = {"qwen3_5": (cp1_run[0] / "hf", cp1_run[1])}
 
     def get(family: str) -> tuple[Path, list[dict]]:
         if family not in built:

@@ -109,8 +109,8 @@ def test_a_second_run_stops_naming_the_first_and_a_frozen_worker_ends_the_run(tm
 
 
 def test_a_collective_timeout_ends_a_frozen_run_without_heartbeats(tmp_path):
-    """With the heartbeat off (as under torchrun), the other rank's collective times out and names itself; the
-    launcher ends the frozen one."""
+    """With the heartbeat off, the other rank's collective times out and names itself; the launcher ends the
+    frozen one."""
     out = tmp_path / "out"
     run = _start(out, "--parallel.heartbeat_timeout_s", "0", "--parallel.collective_timeout_s", "10")
     try:

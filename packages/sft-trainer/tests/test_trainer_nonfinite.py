@@ -8,7 +8,7 @@ import typing
 
 import pytest
 from faults import fault_env
-from trainer_runs import one_line_failure, sft_train
+from trainer_runs import one_line_failure, sft_train, worker_in_process
 
 from sft_trainer.config import ConfigError, TrainConfig, load_config
 
@@ -81,14 +81,32 @@ def test_a_run_that_stays_non_finite_stops(tmp_path):
     print(f"non-finite stop: {seconds:.1f} s")
 
 
-def test_the_export_refuses_non_finite_weights(tmp_path):
-    env = fault_env(tmp_path / "fault", "nan_weights")
+def test_the_export_refuses_non_finite_weights(tmp_path, monkeypatch, capfd):
+    """The worker in this process (one rank; the fault and the one-line stop of a real process are the test
+    above's): every weight turns nan before each step, the steps are skipped up to the limit, and at the end the
+    export is refused while the checkpoint is kept."""
+    import subprocess
+
+    import torch
+
+    import sft_trainer.run as run
+
+    train_step = run.train_step
+
+    def nan_weights(model, *args, **kwargs):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float("nan"))
+        return train_step(model, *args, **kwargs)
+
+    monkeypatch.setattr(run, "train_step", nan_weights)
     out = tmp_path / "out"
-    proc, _ = sft_train(
-        "--output_dir", str(out), *_RUN, "--train.steps", "2", "--train.max_nonfinite_steps", "10",
-        "--checkpoint.export_hf", "true", env=env,
+    code = worker_in_process(
+        monkeypatch,
+        ["--output_dir", str(out), *_RUN, "--train.steps", "2", "--train.max_nonfinite_steps", "10",
+         "--checkpoint.export_hf", "true"],
     )  # fmt: skip
-    line = one_line_failure(proc)
+    line = one_line_failure(subprocess.CompletedProcess([], code, "", capfd.readouterr().err))
     assert line.startswith(f"sft-train: not exporting to {out / 'hf'}: the weights hold inf or nan (")
     assert not (out / "hf" / "model.safetensors").exists()
     assert (out / "checkpoints" / "latest").read_text() == "step-000002"

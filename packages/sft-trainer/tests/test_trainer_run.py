@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,22 +18,7 @@ from sft_trainer.checkpoint import EXTRA_FORMAT, data_change_problem
 from sft_trainer.config import load_config
 from sft_trainer.data import tiny_chat_path
 
-
-@pytest.fixture(scope="module")
-def cp1_run(tmp_path_factory):
-    """The reference: one process, a full replica (no FSDP), two rows accumulated per step (the shipped config)."""
-    out = tmp_path_factory.mktemp("cp1")
-    overrides = (
-        "--parallel.cp",
-        "1",
-        "--parallel.dp",
-        "1",
-        "--parallel.fsdp",
-        "false",
-        "--checkpoint.export_hf",
-        "true",
-    )
-    return out, _train(out, *overrides)
+# cp1_run (conftest.py): the unsharded single-process reference run.
 
 
 def test_torchrun_cp2_fsdp_equals_cp1_and_logs_to_wandb(cp1_run, tmp_path):
@@ -182,36 +168,68 @@ def test_a_stop_waits_for_rank_0_to_say_why(tmp_path):
     assert re.search(r"sft-train: stopped \(worker \d exited with code 1\)$", proc.stderr.rstrip()), proc.stderr
 
 
-@pytest.mark.parametrize(
-    ("body", "code", "stderr_has", "traceback"),
-    [
-        ("return {}", 0, None, False),
-        ("raise SystemExit(1)", 1, None, False),
-        ("raise SystemExit('no packed rows for dp rank 1')", 1, "no packed rows for dp rank 1", False),
-        ("raise KeyboardInterrupt", 130, None, False),
-        ("raise ValueError('boom')", 1, "ValueError: boom", True),
-    ],
-)
-@pytest.mark.parametrize("start", ["run._spawned(0, None, 1, 0)", "run.launch(None)"], ids=["spawned", "torchrun"])
-def test_worker_keeps_its_exit_code_and_message(start, body, code, stderr_has, traceback):
+WORKER_EXITS = [
+    ("return {}", 0, None, False),
+    ("raise SystemExit(1)", 1, None, False),
+    ("raise SystemExit('no packed rows for dp rank 1')", 1, "no packed rows for dp rank 1", False),
+    ("raise KeyboardInterrupt", 130, None, False),
+    ("raise ValueError('boom')", 1, "ValueError: boom", True),
+]
+WORKER_STARTS = {"spawned": "run._spawned(0, None, 1, 0)", "torchrun": "run.launch(None)"}
+
+# One interpreter imports sft_trainer.run, then forks a child per case; each child's stderr goes to its own file.
+_EXIT_DRIVER = """
+import json, os, sys
+import sft_trainer.run as run
+results = {}
+for key, body, start, path in json.loads(sys.argv[1]):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+        namespace = {}
+        exec("def worker(cfg):\\n    " + body + "\\n", namespace)
+        run.worker = namespace["worker"]
+        exec(start, {"run": run})
+        sys.stderr.write("AssertionError: the worker returned instead of exiting")
+        sys.stderr.flush()
+        os._exit(99)
+    results[key] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def worker_exits(tmp_path_factory) -> dict[str, tuple[int, str]]:
+    """(start, body) case -> (exit code, stderr) of a worker process that ran it."""
+    folder = tmp_path_factory.mktemp("worker_exits")
+    cases = [
+        (f"{start}|{body}", body, WORKER_STARTS[start], str(folder / f"{i}.err"))
+        for i, (start, (body, *_)) in enumerate((s, c) for s in WORKER_STARTS for c in WORKER_EXITS)
+    ]
+    env = {**os.environ, "RANK": "0"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _EXIT_DRIVER, json.dumps(cases)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    codes = json.loads(proc.stdout.splitlines()[-1])
+    return {key: (codes[key], Path(path).read_text()) for key, _, _, path in cases}
+
+
+@pytest.mark.parametrize(("body", "code", "stderr_has", "traceback"), WORKER_EXITS)
+@pytest.mark.parametrize("start", list(WORKER_STARTS))
+def test_worker_keeps_its_exit_code_and_message(worker_exits, start, body, code, stderr_has, traceback):
     """A worker (spawned, or started by torchrun: RANK set) leaves through os._exit on every path, since a gloo
     thread at interpreter teardown can abort the process with SIGABRT, which the launcher would report as a
     crash: the code, the SystemExit message and an unexpected error's traceback must all survive that exit."""
-    script = (
-        "import sft_trainer.run as run\n"
-        f"def worker(cfg):\n    {body}\n"
-        "run.worker = worker\n"
-        f"{start}\n"
-        "raise AssertionError('the worker returned instead of exiting')\n"
-    )
-    env = {**os.environ, "RANK": "0"}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == code, proc.stderr[-2000:]
+    returncode, stderr = worker_exits[f"{start}|{body}"]
+    assert returncode == code, stderr[-2000:]
     if stderr_has is None:
-        assert proc.stderr == ""
+        assert stderr == ""
     else:
-        assert stderr_has in proc.stderr
-    assert ("Traceback" in proc.stderr) == traceback, proc.stderr[-2000:]
+        assert stderr_has in stderr
+    assert ("Traceback" in stderr) == traceback, stderr[-2000:]
 
 
 def test_hf_export_loads_in_transformers(cp1_run):

@@ -10,11 +10,14 @@ import math
 import os
 import pty
 import re
+import signal
+import socket
 import statistics
 import struct
 import subprocess
 import sys
 import termios
+import time
 from pathlib import Path
 
 import pytest
@@ -238,3 +241,93 @@ def test_a_piped_run_prints_lines_writes_its_report_and_logs_to_wandb(tmp_path):
     assert summary["run/median_tokens_per_s"] == statistics.median(m["tokens_per_s"] for m in metrics)
     assert summary["run/peak_memory_gib"] == max(m["memory_gib"] for m in metrics)
     assert "exit" in kinds
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Under torchrun: the ranks watch each other's heartbeats through the rendezvous store
+
+
+def _torchrun_workers(agent: int, timeout: float = 120) -> dict[int, int]:
+    """rank -> pid of torchrun's workers (its children running sft_trainer.run), once both are up."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ranks = {}
+        for pid in map(int, Path(f"/proc/{agent}/task/{agent}/children").read_text().split()):
+            env = dict(
+                item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item
+            )
+            if "RANK" in env:
+                ranks[int(env["RANK"])] = pid
+        if len(ranks) == 2:
+            return ranks
+        time.sleep(0.2)
+    raise AssertionError("torchrun's workers did not start")
+
+
+def test_under_torchrun_a_frozen_rank_is_named_by_the_rank_that_waits(tmp_path):
+    """torchrun, 2 gloo ranks, heartbeat 4 s: rank 1 is frozen (SIGSTOP) after its first step; rank 0 names it
+    (rank, pid, host) in one line within the heartbeat timeout, ends it, and the job exits (no 30 s wait for
+    torchrun's SIGKILL of a stopped process)."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "sft_trainer.run", "--output_dir", str(out), "--parallel.cp", "2", "--data.seq_len", "64",
+           "--train.steps", "100000", "--train.warmup_steps", "0", "--logging.progress_bar", "false",
+           "--checkpoint.export_hf", "false", "--parallel.heartbeat_timeout_s", "4"]  # fmt: skip
+    run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        workers = _torchrun_workers(run.pid)
+        deadline = time.monotonic() + 180
+        while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 1):
+            assert run.poll() is None and time.monotonic() < deadline, run.communicate()[1][-3000:]
+            time.sleep(0.2)
+        os.kill(workers[1], signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        _, stderr = run.communicate(timeout=60)
+        waited = time.monotonic() - frozen_at
+    finally:
+        if run.poll() is None:
+            run.kill()
+        for pid in workers.values() if "workers" in locals() else ():
+            if Path(f"/proc/{pid}").exists():
+                os.kill(pid, signal.SIGKILL)
+    assert run.returncode != 0
+    lines = [line for line in stderr.splitlines() if line.startswith("sft-train: ")]
+    assert len(lines) == 1, stderr[-3000:]
+    assert lines[0].startswith(
+        f"sft-train: rank 0: rank 1 (pid {workers[1]} on {socket.gethostname()}) stopped answering: no heartbeat for "
+    ), lines
+    assert "(parallel.heartbeat_timeout_s=4); stopping" in lines[0], lines
+    assert waited < 4 + 12, waited  # the timeout, a beat, torchrun's shutdown, a margin for a loaded machine
+    assert not Path(f"/proc/{workers[1]}").exists() or "Z" in Path(f"/proc/{workers[1]}/stat").read_text().split()[2]
+    print(f"torchrun, frozen rank 1: job ended {waited:.1f} s after SIGSTOP")
+
+
+def test_store_heartbeats_name_the_ranks_that_stopped_and_not_those_that_finished(monkeypatch):
+    """This process as rank 0 of 3 beside two simulated ranks writing the store keys a torchrun worker writes:
+    rank 1 beats then stops, rank 2 beats then says it is done. After a few seconds a collective timeout's line
+    names rank 1 only; with the heartbeat off (0) nothing ends this process."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from sft_trainer import watchdog
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(server.port))
+    monkeypatch.setattr(watchdog, "_silent_peers", {})
+    monkeypatch.setattr(watchdog, "_watching", {})
+    assert watchdog.peers_that_stopped() == "another rank stopped answering (frozen, stuck or dead)"
+    prefix = watchdog._store_prefix()
+    watchdog.watch_peers(0, 3, heartbeat_timeout_s=0)
+    for _ in range(3):
+        server.add(f"{prefix}1", 1)
+        server.add(f"{prefix}2", 1)
+        time.sleep(watchdog.BEAT_INTERVAL_S)
+    server.set(f"{prefix}done/2", "1")
+    time.sleep(watchdog.PEER_SILENT_S + 3 * watchdog.BEAT_INTERVAL_S)
+    line = watchdog.peers_that_stopped()
+    assert re.fullmatch(r"rank 1 stopped answering \(no heartbeat for [4-9] s\)", line), line
+    assert server.add(f"{prefix}0", 0) >= 6  # this rank's own beats
+    watchdog.stop_watching()
+    assert server.get(f"{prefix}done/0") == b"1"

@@ -56,6 +56,35 @@ def sft_train(*args: str, timeout: float = 300, **popen) -> tuple[subprocess.Com
     return proc, time.monotonic() - started
 
 
+def worker_in_process(monkeypatch, argv: list[str]) -> int:
+    """sft-train's worker as the only rank of a gloo group in this process: the code it exits with."""
+    import torch.distributed as dist
+
+    from sft_trainer.config import load_config
+    from sft_trainer.run import worker
+
+    env = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    c10d = dist.distributed_c10d  # the worker sets torch's default timeouts to the run's collective timeout
+    monkeypatch.setattr(c10d, "default_pg_timeout", c10d.default_pg_timeout)
+    monkeypatch.setattr(c10d, "default_pg_nccl_timeout", c10d.default_pg_nccl_timeout)
+    try:
+        worker(load_config(None, argv))
+    except SystemExit as exc:
+        assert not dist.is_initialized()
+        return exc.code if isinstance(exc.code, int) else 1
+    raise AssertionError("the worker trained instead of stopping")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def one_line_failure(proc: subprocess.CompletedProcess, code: int = 1) -> str:
     """The single ``sft-train: ...`` line a failed run printed (asserting: that code, no traceback, said once)."""
     assert proc.returncode == code, (proc.returncode, proc.stderr[-3000:])

@@ -23,7 +23,15 @@ from sft_trainer.progress import Progress
 from sft_trainer.report import write_report_at_end
 from sft_trainer.run_folder import set_aside_previous_run
 from sft_trainer.train import MetricsWriter, StepStats, lr_lambda, train_step
-from sft_trainer.watchdog import collective_timeout, is_collective_timeout, run_workers, start_beating
+from sft_trainer.watchdog import (
+    collective_timeout,
+    is_collective_timeout,
+    peers_that_stopped,
+    run_workers,
+    start_beating,
+    stop_watching,
+    watch_peers,
+)
 
 
 def _free_port() -> int:
@@ -74,12 +82,13 @@ def run_worker_then_exit(cfg) -> NoReturn:
             rank = os.environ.get("RANK", "?")
             print(
                 f"sft-train: rank {rank}: a collective timed out after {cfg.parallel.collective_timeout_s:g} s "
-                "(parallel.collective_timeout_s): another rank stopped answering (frozen, stuck or dead)",
+                f"(parallel.collective_timeout_s): {peers_that_stopped()}",
                 file=sys.stderr,
             )
         else:
             traceback.print_exc()
         code = 1
+    stop_watching()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -134,6 +143,8 @@ def worker(cfg) -> dict[str, Any]:
     dist.init_process_group(backend, timeout=collective_timeout(cfg))
     try:
         rank = dist.get_rank()
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun: no launcher of ours watches, the ranks watch each other
+            watch_peers(rank, dist.get_world_size(), cfg.parallel.heartbeat_timeout_s)
         mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
         topology = CPTopology.from_mesh(mesh, "cp")
         if rank == 0 and resume_checkpoint(cfg) is None:

@@ -5,13 +5,19 @@ Each spawned worker runs a thread that stamps its slot of a shared array with ``
 a worker that stops answering (SIGSTOP, or stuck in native code that holds the GIL) stops stamping, and after
 ``parallel.heartbeat_timeout_s`` the launcher ends the run naming it. A rank blocked in a collective keeps
 stamping: ``parallel.collective_timeout_s`` (the process group's timeout) ends that one.
+
+Under torchrun no launcher of ours watches: each rank's thread counts its beats in a key of the rendezvous store
+(torchrun's TCPStore) and reads its peers' counts; a peer whose count has not moved for the heartbeat timeout
+is named in one line (by the first rank to see it), and the ranks that saw it leave (see ``watch_peers``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -43,6 +49,103 @@ def start_beating(beats, rank: int) -> None:
             time.sleep(BEAT_INTERVAL_S)
 
     threading.Thread(target=beat, name="sft-train-heartbeat", daemon=True).start()
+
+
+# The ranks a torchrun worker's heartbeat thread has seen stop beating: rank -> seconds since its last beat.
+_silent_peers: dict[int, float] = {}
+_watching: dict[str, Any] = {}  # this rank's store, key prefix and rank while watch_peers runs
+PEER_SILENT_S = 3 * BEAT_INTERVAL_S  # a peer is named in a collective timeout's line after this long without a beat
+
+
+def _store_prefix() -> str:
+    """Keys of this torchrun attempt (a restart starts counting afresh)."""
+    return f"sft-train/heartbeat/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
+def watch_peers(rank: int, world: int, heartbeat_timeout_s: float) -> None:
+    """Under torchrun: beat into the rendezvous store and watch the other ranks' beats, from a daemon thread.
+
+    Every second this rank adds 1 to its counter and reads every rank's; a peer whose counter has not moved for
+    ``heartbeat_timeout_s`` (``> 0``) stopped answering. The first rank to see it prints one line naming the
+    silent rank(s), their pid and host; every rank that sees it ends a silent rank on its own host (SIGKILL: a
+    stopped process ignores torchrun's SIGTERM) and exits with code 1, and torchrun ends the rest. Peers silent
+    for a few seconds are also kept for ``peers_that_stopped``, which a collective timeout's line names."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    prefix = _store_prefix()
+    store.set(f"{prefix}who/{rank}", f"{os.getpid()} {socket.gethostname()}")
+    stopping = threading.Event()
+
+    def beat() -> None:
+        seen = [0] * world
+        moved_at = [time.monotonic()] * world
+        while not stopping.is_set():
+            try:
+                store.add(f"{prefix}{rank}", 1)
+                counts = [store.add(f"{prefix}{r}", 0) for r in range(world)]
+            except Exception:  # the store is gone: torchrun's agent ended, and with it this job
+                return
+            now = time.monotonic()
+            for r, count in enumerate(counts):
+                if count != seen[r]:
+                    seen[r], moved_at[r] = count, now
+            silent = {r: now - moved_at[r] for r in range(world) if r != rank and seen[r] > 0}
+            silent = {r: s for r, s in silent.items() if s > PEER_SILENT_S}
+            if silent:  # a rank that finished its run stops beating too
+                silent = {r: s for r, s in silent.items() if not store.check([f"{prefix}done/{r}"])}
+            _silent_peers.clear()
+            _silent_peers.update(silent)
+            stopped = sorted(r for r, s in silent.items() if heartbeat_timeout_s > 0 and s > heartbeat_timeout_s)
+            if stopped:
+                _end_silent_peers(store, prefix, rank, stopped, silent, heartbeat_timeout_s)
+            stopping.wait(BEAT_INTERVAL_S)
+
+    thread = threading.Thread(target=beat, name="sft-train-store-heartbeat", daemon=True)
+    _watching.update(store=store, prefix=prefix, rank=rank, stopping=stopping, thread=thread)
+    thread.start()
+
+
+def _end_silent_peers(store, prefix: str, rank: int, stopped: list[int], silent: dict[int, float], timeout_s: float):
+    who = {r: store.get(f"{prefix}who/{r}").decode().split() for r in stopped}
+    if store.add(f"{prefix}reported", 1) == 1:  # the first rank to see it says it; the others leave quietly
+        named = ", ".join(f"rank {r} (pid {who[r][0]} on {who[r][1]})" for r in stopped)
+        print(
+            f"sft-train: rank {rank}: {named} stopped answering: no heartbeat for {max(silent[r] for r in stopped):.0f}"
+            f" s (parallel.heartbeat_timeout_s={timeout_s:g}); stopping (a process stopped by a signal, or stuck in "
+            "native code)",
+            file=sys.stderr,
+            flush=True,
+        )
+    for r in stopped:
+        if who[r][1] == socket.gethostname():
+            with contextlib.suppress(OSError):  # already gone
+                os.kill(int(who[r][0]), signal.SIGKILL)
+    sys.stdout.flush()
+    os._exit(1)
+
+
+def stop_watching() -> None:
+    """Tell the other ranks that this one is leaving on purpose (its heartbeat stops; it is not frozen)."""
+    if _watching:
+        _watching["stopping"].set()
+        _watching["thread"].join(timeout=2 * BEAT_INTERVAL_S)
+        with contextlib.suppress(Exception):  # the store is gone: nobody is watching
+            _watching["store"].set(f"{_watching['prefix']}done/{_watching['rank']}", "1")
+
+
+def peers_that_stopped() -> str:
+    """For a collective timeout's line: the ranks whose store heartbeat stopped, or "another rank"."""
+    if not _silent_peers:
+        return "another rank stopped answering (frozen, stuck or dead)"
+    ranks = sorted(_silent_peers)
+    names = ", ".join(f"rank {r}" for r in ranks)
+    return f"{names} stopped answering (no heartbeat for {max(_silent_peers.values()):.0f} s)"
 
 
 def collective_timeout(cfg) -> datetime.timedelta:

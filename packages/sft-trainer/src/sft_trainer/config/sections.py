@@ -175,8 +175,8 @@ class ParallelConfig(_Section):
     heartbeat_timeout_s: float = Field(
         300.0,
         ge=0,
-        description="Local workers (not torchrun): the launcher stops the run, naming the worker, when one has "
-        "not answered for this long (stopped by a signal, or stuck in native code); 0 disables.",
+        description="A worker that has not answered for this long (stopped by a signal, or stuck in native code) "
+        "is named and the run stopped: by the launcher, or under torchrun by the rank that sees it; 0 disables.",
     )
     local_workers: int | None = Field(
         None,
