@@ -31,6 +31,11 @@ PRE_LAUNCH = [
     ("nccl_on_cpu", ["--parallel.backend", "nccl"], "parallel.backend='nccl' needs CUDA GPUs and none is visible"),
     ("flash_attn_on_cpu", ["--model.attention_backend", "flash_attn"], "model.attention_backend='flash_attn' runs on"),
     ("fla_on_cpu", ["--model.recurrent_backend", "fla"], "model.recurrent_backend='fla' runs on CUDA GPUs only"),
+    (
+        "mamba_ssm_on_cpu",
+        ["--model.recurrent_backend", "mamba_ssm"],
+        "model.recurrent_backend='mamba_ssm' runs on CUDA GPUs only",
+    ),
     ("wandb_missing", ["--logging.wandb.enabled", "true"], "logging.wandb.enabled=true but wandb is not installed"),
     ("metrics_file_is_a_folder", ["--logging.metrics_file", "{tmp}"], "is a folder; name a file"),
     ("output_dir_is_a_file", ["--output_dir", "{tmp}/file"], "is a file, not a folder"),
@@ -159,3 +164,23 @@ def test_under_torchrun_a_mistake_is_said_once(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0
     assert proc.stderr.count("train.lr=inf: must be a finite number") == 1, proc.stderr[-3000:]
+
+
+def test_mamba_ssm_backend_without_its_packages_names_them(tmp_path, monkeypatch):
+    """On a GPU machine without causal-conv1d, recurrent_backend 'mamba_ssm' stops before launch naming it."""
+    import torch
+
+    from sft_trainer.cli import runtime_problems
+    from sft_trainer.config import load_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "mamba_ssm" else
+        (None if name == "causal_conv1d" else real_find_spec(name, *a))
+    )  # fmt: skip
+    cfg = load_config(None, ["--output_dir", str(tmp_path), "--model.recurrent_backend", "mamba_ssm"])
+    problems = runtime_problems(cfg)
+    assert problems == [
+        "model.recurrent_backend='mamba_ssm' needs the causal_conv1d package(s), which are not installed; use 'auto'"
+    ]

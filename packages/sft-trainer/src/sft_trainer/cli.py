@@ -132,15 +132,19 @@ def runtime_problems(cfg: TrainConfig) -> list[str]:
     cuda = torch.cuda.is_available()
     if cfg.parallel.backend == "nccl" and not cuda:
         problems.append("parallel.backend='nccl' needs CUDA GPUs and none is visible; use 'gloo' or 'auto' on CPU")
-    for field, value, package in (
-        ("model.attention_backend", cfg.model.attention_backend, "flash_attn"),
-        ("model.recurrent_backend", cfg.model.recurrent_backend, "fla"),
+    for field, value, kernel, packages in (
+        ("model.attention_backend", cfg.model.attention_backend, "flash_attn", ("flash_attn",)),
+        ("model.recurrent_backend", cfg.model.recurrent_backend, "fla", ("fla",)),
+        ("model.recurrent_backend", cfg.model.recurrent_backend, "mamba_ssm", ("mamba_ssm", "causal_conv1d")),
     ):
-        if value == package:
+        if value == kernel:
+            missing = [p for p in packages if importlib.util.find_spec(p) is None]
             if not cuda:
                 problems.append(f"{field}={value!r} runs on CUDA GPUs only and none is visible; use 'auto' or 'torch'")
-            elif importlib.util.find_spec(package) is None:
-                problems.append(f"{field}={value!r} needs the {package} package, which is not installed; use 'auto'")
+            elif missing:
+                problems.append(
+                    f"{field}={value!r} needs the {' and '.join(missing)} package(s), which are not installed; use 'auto'"
+                )
     if cfg.logging.wandb.enabled and importlib.util.find_spec("wandb") is None:
         problems.append(
             "logging.wandb.enabled=true but wandb is not installed: pip install sft-trainer[wandb], or set it false"

@@ -51,10 +51,11 @@ class ModelConfig(_Section):
     attention_backend: Literal["auto", "torch", "varlen", "flash_attn"] = Field(
         "auto", description="Softmax attention kernel (cp_core.AttentionBackend); 'auto' picks the fastest available."
     )
-    recurrent_backend: Literal["auto", "torch", "fla"] = Field(
+    recurrent_backend: Literal["auto", "torch", "fla", "mamba_ssm"] = Field(
         "auto",
-        description="GDN conv/delta-rule kernels (cp_core.RecurrentBackend): 'fla' needs flash-linear-attention "
-        "and CUDA; 'auto' uses it when available, else the torch reference.",
+        description="Conv, GDN, SSD and gated-norm kernels (cp_core.RecurrentBackend): 'fla' needs "
+        "flash-linear-attention and CUDA; 'mamba_ssm' runs Mamba-2's conv and SSD on causal-conv1d and mamba-ssm "
+        "(the other ops as 'auto'); 'auto' picks per op the fastest installed, else the torch reference.",
     )
     activation_checkpointing: bool = Field(
         False, description="Recompute each decoder layer in backward instead of keeping its activations."
