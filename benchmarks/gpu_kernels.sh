@@ -29,10 +29,10 @@ case "$PART" in
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/kernel_build/wheels/*.whl \
       || exit 1
     python3 -c "import mamba_ssm, causal_conv1d; print('mamba_ssm', mamba_ssm.__version__, 'causal_conv1d', causal_conv1d.__version__)"
-    timeout 150 python3 -m pytest -m gpu -p no:cacheprovider -q -rfEs packages/cp-core/tests/test_core_mamba_ssm_gpu.py \
+    timeout "${MTESTS_S:-150}" python3 -m pytest -m gpu -p no:cacheprovider -q -rfEs packages/cp-core/tests/test_core_mamba_ssm_gpu.py \
       "packages/cp-models/tests/test_models_nemotron_h_gpu.py::test_fast_kernels_match_torch_path" 2>&1 \
       | tee "$OUT/mamba_tests.log" | tail -15
-    timeout 150 python3 benchmarks/recurrent_kernels.py --out "$OUT" 2>&1 | grep -E "^\||Error" 
+    timeout "${KERNELS_S:-150}" python3 benchmarks/recurrent_kernels.py --out "$OUT" --torch-max-len 8192 2>&1 | grep -E "^\||Error" 
     timeout "${STEP_S:-200}" python3 benchmarks/model_step.py --out "$OUT" --shapes nemotron_h-nano-8l \
       --seq-lens 8192 32768 --reps 3 --limit-s 60 \
       --variants cp_models "cp_models + mamba-ssm" transformers "transformers + grad. ckpt" 2>&1 | grep -E "^\||built|fast path"
