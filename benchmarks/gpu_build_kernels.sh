@@ -3,8 +3,8 @@
 # (downloaded here with `python3 benchmarks/gpu_build_kernels.sh fetch`, which writes the ignored folder .gpu/src).
 #   bash benchmarks/gpu_build_kernels.sh start    # on the device machine: builds in the background (setsid), so
 #                                                 # other calls can use the GPU while nvcc runs on the CPU cores
-#   bash benchmarks/gpu_build_kernels.sh collect  # waits for the build, then copies the wheels (split into parts
-#                                                 # under 15 MiB) and the build logs to $OUT
+#   bash benchmarks/gpu_build_kernels.sh collect  # waits for the build, then copies the build logs and (unless
+#                                                 # COPY_WHEELS=0) the wheels, split into parts under 15 MiB, to $OUT
 # Both packages compile every architecture from sm_75 to sm_121 by default; the build keeps only sm_90 (H100/H200),
 # which cuts nvcc's work about eightfold. A user with a normal CUDA box installs them with
 # `uv sync --all-packages --extra mamba` (prebuilt wheels where their index has one for the torch in use).
@@ -69,6 +69,7 @@ SH
     until [ -f "$BUILD/done" ] || [ "$(date +%s)" -ge "$deadline" ]; do sleep 5; done
     cat "$BUILD/build.log"
     (cd "$BUILD" && tar czf "$OUT/kernel_build_logs.tgz" build.log causal_conv1d.log mamba_ssm.log 2>/dev/null)
+    [ "${COPY_WHEELS:-1}" = 1 ] || { ls -la "$BUILD"/wheels; exit 0; }  # a call brings back at most 8 files
     for whl in "$BUILD"/wheels/*.whl; do
       [ -f "$whl" ] || continue
       split -b 15000000 -d -a 1 "$whl" "$OUT/$(basename "$whl").part."

@@ -25,7 +25,7 @@ case "$PART" in
     tail -3 /tmp/kernel_build/build.log 2>/dev/null
     ;;
   mamba)
-    WAIT_S=${WAIT_S:-200} bash benchmarks/gpu_build_kernels.sh collect | tail -12
+    WAIT_S=${WAIT_S:-200} COPY_WHEELS=${COPY_WHEELS:-0} bash benchmarks/gpu_build_kernels.sh collect | tail -12
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/kernel_build/wheels/*.whl \
       || exit 1
     python3 -c "import mamba_ssm, causal_conv1d; print('mamba_ssm', mamba_ssm.__version__, 'causal_conv1d', causal_conv1d.__version__)"
