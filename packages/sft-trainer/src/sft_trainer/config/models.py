@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cp_models.families import FAMILIES
 from sft_trainer.config.errors import ConfigError
 from sft_trainer.config.presets import PRESETS, SHIPPED_MODEL_CONFIGS
 
@@ -16,43 +17,16 @@ if TYPE_CHECKING:
     from sft_trainer.config.sections import ModelConfig
 
 
-# Which CP styles each layer type runs under, per model family (``parallel.cp_style``; "auto" picks the first
-# style of the family). Qwen3.5: "ulysses" = softmax attention by Ulysses all-to-all, GDN by the conv halo and
-# state passing. Nemotron-H: the style is the Mamba-2 strategy ("state_passing": conv halo + SSD state passing;
-# "a2a": head-parallel all-to-all); MLP/MoE layers need no CP. Softmax attention follows ``parallel.attention_cp``
-# (Ulysses, all-gathered KV or ring-passed KV) under every style.
+# Per model family (cp_models.families): the CP styles each layer type runs under (``parallel.cp_style``; "auto"
+# picks the family's first style), and the nn.Linear names LoRA may target (not lm_head: the tiled loss reads its
+# weight directly, and it is often tied to the embeddings).
 LAYER_CP_STYLES: dict[str, dict[str, tuple[str, ...]]] = {
-    "qwen3_5": {"full_attention": ("ulysses",), "linear_attention": ("ulysses",)},
-    "nemotron_h": {
-        "linear_attention": ("state_passing", "a2a"),
-        "full_attention": ("state_passing", "a2a"),
-        "mlp": ("state_passing", "a2a"),
-        "moe": ("state_passing", "a2a"),
-    },
+    name: dict(family.layer_cp_styles) for name, family in FAMILIES.items()
 }
-FAMILY_CP_STYLES = {"qwen3_5": ("ulysses",), "nemotron_h": ("state_passing", "a2a")}
-# nn.Linear names that LoRA may target, per model family (not lm_head: the tiled loss reads its weight directly,
-# and it is often tied to the embeddings).
-LINEAR_NAMES: dict[str, tuple[str, ...]] = {
-    "qwen3_5": (
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "in_proj_qkv",
-        "in_proj_z",
-        "in_proj_b",
-        "in_proj_a",
-        "out_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-        "shared_expert_gate",
-    ),
-    "nemotron_h": ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj", "up_proj", "down_proj"),
-}
-NEMOTRON_H_MODEL_TYPES = ("nemotron_h",)
-_VL_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+FAMILY_CP_STYLES = {name: family.cp_styles for name, family in FAMILIES.items()}
+LINEAR_NAMES: dict[str, tuple[str, ...]] = {name: family.lora_targets for name, family in FAMILIES.items()}
+NEMOTRON_H_MODEL_TYPES = FAMILIES["nemotron_h"].model_types
+_VL_MODEL_TYPES = FAMILIES["qwen3_5"].vl_model_types
 
 
 def is_vision_language(hf_config) -> bool:
