@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from sft_trainer.config import TrainConfig, is_vision_language, model_family, resolve_model_config
+from sft_trainer.config import TrainConfig, resolve_model_config
 from sft_trainer.parallelize import COMPUTE_DTYPES, parallelize_model
 
 # VL config field -> the placeholder's name in sft_trainer.data.VisionTokens
@@ -48,19 +48,18 @@ def create_model(cfg: TrainConfig, tokenizer) -> torch.nn.Module:
     """The plain model on the CPU in its storage dtype: fp32 master weights under FSDP (which casts the gathered
     parameters), else ``model.dtype``. Loaded from ``model.path``, else randomly initialized from the config file
     or the preset (the preset takes the tokenizer's vocabulary). Raises :class:`ModelLoadError`."""
-    from cp_models import NemotronHForCausalLM, Qwen35ForCausalLM
-    from cp_vlm import Qwen35VLForConditionalGeneration
+    from cp_models.families import family_for
 
     storage_dtype = torch.float32 if cfg.parallel.fsdp else COMPUTE_DTYPES[cfg.model.dtype]
     hf_config = resolve_model_config(cfg.model, vocab_size=len(tokenizer), token_ids=vision_token_ids(tokenizer))
-    family = model_family(hf_config)
+    family = family_for(hf_config)
     kwargs = dict(attention_backend=cfg.model.attention_backend, recurrent_backend=cfg.model.recurrent_backend)
-    model_class = Qwen35ForCausalLM
-    if family == "nemotron_h":
-        model_class, kwargs["mamba_cp_style"] = NemotronHForCausalLM, cfg.parallel.resolve_cp_style(family)
-    elif is_vision_language(hf_config):
+    if family.cp_style_argument:  # the family's CP style goes to the model (Nemotron-H's Mamba-2 strategy)
+        kwargs[family.cp_style_argument] = cfg.parallel.resolve_cp_style(family.name)
+    if family.is_vision_language(hf_config):
         check_vision_tokens(hf_config, tokenizer)
-        model_class, kwargs["vision_cp"] = Qwen35VLForConditionalGeneration, cfg.model.vision_cp
+        kwargs["vision_cp"] = cfg.model.vision_cp
+    model_class = family.model_class_for(hf_config)
     if cfg.model.path:
         try:
             return model_class.from_pretrained(cfg.model.path, dtype=storage_dtype, **kwargs)
