@@ -899,3 +899,11 @@ def test_does_not_fit_suggests_a_combination_when_no_single_change_fits(capsys):
         in message
     )
     assert "lower data.seq_len to" in message
+
+
+def test_activation_coefficients_cover_exactly_the_family_specs_keys():
+    """The planner's coefficient table and cp_models' family specs name the same entries (adding a family adds both)."""
+    from cp_models.families import FAMILIES
+    from sft_trainer.plan.coefficients import ACTIVATION_COEFFICIENTS
+
+    assert set(ACTIVATION_COEFFICIENTS) == {key for family in FAMILIES.values() for key in family.coefficient_keys}

@@ -65,16 +65,11 @@ def _default_gpu_gib() -> float:
     return H200_GIB
 
 
-_KIND_NAMES = {
-    ("qwen3_5", "gdn"): ("linear_attention", "Gated DeltaNet"),
-    ("qwen3_5", "attention"): ("full_attention", "gated softmax attention"),
-    ("qwen3_5", "mlp"): ("mlp", "SwiGLU MLP"),
-    ("qwen3_5", "moe"): ("moe", "sparse MoE"),
-    ("nemotron_h", "mamba"): ("linear_attention", "Mamba-2"),
-    ("nemotron_h", "attention"): ("full_attention", "attention"),
-    ("nemotron_h", "mlp"): ("mlp", "squared-ReLU MLP"),
-    ("nemotron_h", "moe"): ("moe", "MoE"),
-}
+def _kind_names() -> dict[tuple[str, str], tuple[str, str]]:
+    """(family, planner layer part) -> (HF layer type, what it is), from the family specs."""
+    from cp_models.families import FAMILIES
+
+    return {(name, part): names for name, family in FAMILIES.items() for part, names in family.layer_parts.items()}
 
 
 def _layer_rows(
@@ -87,7 +82,7 @@ def _layer_rows(
         counts[kind] = counts.get(kind, 0) + 1
     rows = []
     for kind, count in counts.items():
-        layer_type, name = _KIND_NAMES[(family, kind)]
+        layer_type, name = _kind_names()[(family, kind)]
         comm = "none"
         if kind == "attention":
             q, kv, d = text_config.num_attention_heads, text_config.num_key_value_heads, _head_dim(text_config)

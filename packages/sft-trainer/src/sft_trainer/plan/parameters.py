@@ -7,7 +7,10 @@ from dataclasses import dataclass
 
 
 def _family(config) -> str:
-    return "nemotron_h" if config.model_type == "nemotron_h" else "qwen3_5"
+    """The model family's name (cp_models.families) of a text config."""
+    from cp_models.families import family_for
+
+    return family_for(config).name
 
 
 def _head_dim(config) -> int:
