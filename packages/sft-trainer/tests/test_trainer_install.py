@@ -1,6 +1,12 @@
-"""The trainer installs with the whole stack beneath it."""
+"""The trainer installs with the whole stack beneath it, at the versions its packages declare."""
+
+from pathlib import Path
 
 from packaging.version import Version
+
+from cp_core.testing import declared_version
+
+PACKAGES = Path(__file__).resolve().parents[2]
 
 
 def test_imports_with_dependencies():
@@ -9,6 +15,7 @@ def test_imports_with_dependencies():
     import cp_vlm
     import sft_trainer
 
-    assert sft_trainer.__version__ == "0.1.0"
-    assert cp_vlm.__version__ == "0.1.0"
-    assert Version(pydantic.VERSION) >= Version("2.7")
+    assert sft_trainer.__version__ == declared_version(PACKAGES / "sft-trainer" / "pyproject.toml")
+    assert cp_vlm.__version__ == declared_version(PACKAGES / "cp-vlm" / "pyproject.toml")
+    assert Version(pydantic.VERSION) >= Version("2.7")  # the pydantic features the config schema uses
+    assert callable(sft_trainer.main) and "TrainConfig" in sft_trainer.__all__
