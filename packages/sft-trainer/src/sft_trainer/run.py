@@ -6,8 +6,10 @@ import contextlib
 import datetime
 import os
 import resource
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -67,6 +69,14 @@ def run_worker_then_exit(cfg) -> NoReturn:
     # after finishing or after a clean one-line stop, so the launcher would report a crash instead of the stop. The
     # exit code and the message (or traceback) are kept; the launcher reports the code.
     code = 0
+    interrupted, failing = threading.Event(), threading.Event()
+
+    def on_sigint(signum, frame) -> None:  # Ctrl-C, or the launcher forwarding it
+        interrupted.set()
+        if not failing.is_set():
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
     try:
         worker(cfg)
     except SystemExit as exc:
@@ -78,16 +88,19 @@ def run_worker_then_exit(cfg) -> NoReturn:
     except KeyboardInterrupt:  # Ctrl-C reaches every worker: no traceback per process
         code = 130
     except BaseException as exc:
-        if is_collective_timeout(exc):
+        failing.set()
+        # A peer interrupted first can break this rank's collective before its own SIGINT is handled: wait a
+        # moment for that signal, and leave as interrupted (quietly) when it comes.
+        code = 130 if interrupted.wait(INTERRUPT_GRACE_S) else 1
+        if code == 1 and is_collective_timeout(exc):
             rank = os.environ.get("RANK", "?")
             print(
                 f"sft-train: rank {rank}: a collective timed out after {cfg.parallel.collective_timeout_s:g} s "
                 f"(parallel.collective_timeout_s): {peers_that_stopped()}",
                 file=sys.stderr,
             )
-        else:
+        elif code == 1:
             traceback.print_exc()
-        code = 1
     stop_watching()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -119,6 +132,7 @@ def _stop(rank: int, message: str) -> NoReturn:
     raise SystemExit(1) from None
 
 
+INTERRUPT_GRACE_S = 0.5  # how long a failing rank waits for a SIGINT that explains its failure
 STOP_WAIT_S = 60.0  # a rank that never reaches the stop delays the others' exit by at most this
 
 
