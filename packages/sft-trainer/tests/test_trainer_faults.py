@@ -26,7 +26,15 @@ LONG = ("--parallel.cp", "2", "--data.seq_len", "64", "--train.steps", "100000",
 
 def _start(out: Path, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-c", "from sft_trainer.cli import main; main()", "--output_dir", str(out), *LONG, *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A suite started as a background job (`cmd &` without job control) runs with SIGINT ignored, which children
+    # inherit and Python then keeps: the launcher starts with SIGINT at its default, as from a terminal.
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 def _wait_for_step(out: Path, proc: subprocess.Popen, timeout: float = 180) -> None:
