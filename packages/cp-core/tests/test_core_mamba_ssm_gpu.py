@@ -9,12 +9,12 @@ Tolerance: ||kernel - ref|| / ||ref|| < 2e-2 for outputs, final states and every
 import pytest
 import torch
 import torch.nn.functional as F
+from gpu_agreement import LENS, compare, leaves
 
 from cp_core.conv import _mamba_causal_conv1d, causal_conv1d, causal_conv1d_torch
 from cp_core.packing import build_packed_metadata, position_ids_from_seq_lens
 from cp_core.recurrent_backends import mamba_ssm_available
 from cp_core.ssd import chunk_ssd_torch, ssd
-from cp_core.testing import relative_l2
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,24 +22,6 @@ pytestmark = [
         not (torch.cuda.is_available() and mamba_ssm_available()), reason="needs CUDA, mamba-ssm and causal-conv1d"
     ),
 ]
-TOL = 2e-2
-LENS = [20000, 8000, 4000, 768]
-
-
-def _leaves(tensors):
-    return {n: t.detach().clone().requires_grad_() for n, t in tensors.items()}
-
-
-def _compare(name, fast_out, ref_out, fast_in, ref_in):
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    grads = [torch.randn(o.shape, device="cuda", generator=gen) for o in ref_out]
-    torch.autograd.backward([o.float() for o in fast_out], grads)
-    torch.autograd.backward([o.float() for o in ref_out], grads)
-    errors = {f"out{i}": relative_l2(f, r) for i, (f, r) in enumerate(zip(fast_out, ref_out, strict=True))}
-    errors |= {f"d{n}": relative_l2(fast_in[n].grad, ref_in[n].grad) for n in ref_in if ref_in[n].grad is not None}
-    print(f"{name}: " + ", ".join(f"{k}={v:.2e}" for k, v in errors.items()))
-    bad = {k: v for k, v in errors.items() if not v < TOL}
-    assert not bad, f"{name}: relative errors above {TOL}: {bad}"
 
 
 @pytest.mark.parametrize("with_initial_state", [False, True])
@@ -74,8 +56,8 @@ def test_ssd_mamba_ssm_matches_torch(with_initial_state):
             **kwargs,
         )
 
-    fast_in, ref_in = _leaves(bf16), _leaves(bf16)
-    _compare(f"ssd mamba-ssm (initial state {with_initial_state})", run(fast_in, "mamba_ssm"), run(ref_in, "torch"),
+    fast_in, ref_in = leaves(bf16), leaves(bf16)
+    compare(f"ssd mamba-ssm (initial state {with_initial_state})", run(fast_in, "mamba_ssm"), run(ref_in, "torch"),
              fast_in, ref_in)  # fmt: skip
 
 
@@ -90,12 +72,12 @@ def test_causal_conv1d_mamba_ssm_with_halo_matches_torch():
         "halo": torch.randn(width - 1, dim, device="cuda"),
     }
     bf16 = {n: x.bfloat16() for n, x in base.items()}
-    fast_in, ref_in = _leaves(bf16), _leaves(bf16)
+    fast_in, ref_in = leaves(bf16), leaves(bf16)
     fast = _mamba_causal_conv1d(fast_in["x"], fast_in["w"], fast_in["b"], "silu", meta.local_seq_lens,
                                 fast_in["halo"], meta.first_doc_tokens_before)  # fmt: skip
     ref = causal_conv1d_torch(ref_in["x"].float(), ref_in["w"].float(), ref_in["b"].float(), "silu",
                               meta.local_position_ids.cuda(), ref_in["halo"].float())  # fmt: skip
-    _compare("conv halo (causal-conv1d)", [fast], [ref], fast_in, ref_in)
+    compare("conv halo (causal-conv1d)", [fast], [ref], fast_in, ref_in)
 
 
 def test_causal_conv1d_mamba_ssm_resets_at_documents():
@@ -108,8 +90,8 @@ def test_causal_conv1d_mamba_ssm_resets_at_documents():
         "b": torch.randn(dim, device="cuda"),
     }
     bf16 = {n: x.bfloat16() for n, x in base.items()}
-    fast_in, ref_in = _leaves(bf16), _leaves(bf16)
+    fast_in, ref_in = leaves(bf16), leaves(bf16)
     fast = causal_conv1d(fast_in["x"], fast_in["w"], fast_in["b"], "silu", seq_lens=lens, backend="mamba_ssm")
     positions = position_ids_from_seq_lens(lens).cuda()
     ref = causal_conv1d_torch(ref_in["x"].float(), ref_in["w"].float(), ref_in["b"].float(), "silu", positions)
-    _compare("conv resets (causal-conv1d)", [fast], [ref], fast_in, ref_in)
+    compare("conv resets (causal-conv1d)", [fast], [ref], fast_in, ref_in)

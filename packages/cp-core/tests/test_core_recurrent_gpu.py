@@ -9,6 +9,7 @@ in docs/benchmarks/recurrent_cp.md by the GPU session.
 import pytest
 import torch
 import torch.nn.functional as F
+from gpu_agreement import LENS, TOL, compare, leaves
 
 from cp_core.conv import _fla_causal_conv1d, causal_conv1d_torch
 from cp_core.gated_delta import chunk_gated_delta_rule_torch, gated_delta_rule, prepass_summary
@@ -23,24 +24,6 @@ pytestmark = [
         not (torch.cuda.is_available() and fla_available()), reason="needs CUDA and flash-linear-attention"
     ),
 ]
-TOL = 2e-2
-LENS = [20000, 8000, 4000, 768]  # 32k tokens, 4 documents
-
-
-def _leaves(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {n: t.detach().clone().requires_grad_() for n, t in tensors.items()}
-
-
-def _compare(name, fast_out, ref_out, fast_in, ref_in, seed=1):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    grads = [torch.randn(o.shape, device="cuda", generator=gen) for o in ref_out]
-    torch.autograd.backward([o.float() for o in fast_out], grads)
-    torch.autograd.backward([o.float() for o in ref_out], grads)
-    errors = {f"out{i}": relative_l2(f, r) for i, (f, r) in enumerate(zip(fast_out, ref_out, strict=True))}
-    errors |= {f"d{n}": relative_l2(fast_in[n].grad, ref_in[n].grad) for n in ref_in if ref_in[n].grad is not None}
-    print(f"{name}: " + ", ".join(f"{k}={v:.2e}" for k, v in errors.items()))
-    bad = {k: v for k, v in errors.items() if not v < TOL}
-    assert not bad, f"{name}: relative errors above {TOL}: {bad}"
 
 
 @pytest.mark.parametrize("hk,hv", [(16, 16), (16, 32)])
@@ -74,8 +57,8 @@ def test_gated_delta_rule_fla_matches_torch(hk, hv):
             **kwargs,
         )
 
-    fast_in, ref_in = _leaves(bf16), _leaves(bf16)
-    _compare(f"gdn hk={hk} hv={hv}", run(fast_in, "fla"), run(ref_in, "torch"), fast_in, ref_in)
+    fast_in, ref_in = leaves(bf16), leaves(bf16)
+    compare(f"gdn hk={hk} hv={hv}", run(fast_in, "fla"), run(ref_in, "torch"), fast_in, ref_in)
 
 
 def test_gated_delta_rule_identity_columns_fla_matches_torch():
@@ -122,7 +105,7 @@ def test_segmented_prepass_fla_matches_whole_and_torch(with_transition):
             with_transition=with_transition, qk_l2norm=True, backend=backend, segment_tokens=segment,
         )  # fmt: skip
 
-    segmented_in, whole_in, ref_in = _leaves(bf16), _leaves(bf16), _leaves(bf16)
+    segmented_in, whole_in, ref_in = leaves(bf16), leaves(bf16), leaves(bf16)
     segmented, whole = run(segmented_in, "fla", 1024), run(whole_in, "fla", None)
     ref = run(ref_in, "torch", 1024)
     assert segmented.shape == (h, dk, dv + (dk if with_transition else 0))
@@ -186,8 +169,8 @@ def test_ssd_fla_matches_torch():
             initial_state=inputs["h0"],
         )
 
-    fast_in, ref_in = _leaves(bf16), _leaves(bf16)
-    _compare("ssd", run(fast_in, "fla"), run(ref_in, "torch"), fast_in, ref_in)
+    fast_in, ref_in = leaves(bf16), leaves(bf16)
+    compare("ssd", run(fast_in, "fla"), run(ref_in, "torch"), fast_in, ref_in)
 
 
 def test_causal_conv1d_fla_with_halo_matches_torch():
@@ -202,7 +185,7 @@ def test_causal_conv1d_fla_with_halo_matches_torch():
         "halo": torch.randn(width - 1, dim, device="cuda"),
     }
     bf16 = {n: x.bfloat16() for n, x in base.items()}
-    fast_in, ref_in = _leaves(bf16), _leaves(bf16)
+    fast_in, ref_in = leaves(bf16), leaves(bf16)
     fast = _fla_causal_conv1d(
         fast_in["x"],
         fast_in["w"],
@@ -220,7 +203,7 @@ def test_causal_conv1d_fla_with_halo_matches_torch():
         meta.local_position_ids.cuda(),
         ref_in["halo"].float(),
     )
-    _compare("conv halo", [fast], [ref], fast_in, ref_in)
+    compare("conv halo", [fast], [ref], fast_in, ref_in)
 
 
 def _gdn_cp_on_fake_group(rank, cp, total, tensors, segment=16384):
