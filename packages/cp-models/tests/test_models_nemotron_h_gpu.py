@@ -6,7 +6,7 @@ in 3 documents. Fast: fla's chunk_simple_gla as the SSD scan, fla's causal conv,
 torch varlen attention. Reference: the same bf16 weights on the torch paths (the recurrences upcast to fp32
 inside). Both run the grouped-GEMM experts on CUDA bf16; a separate test compares those with the exact loop.
 
-Tolerances, from the H200 run of 2026-12-02: the bf16 model itself is ~5 % from its fp32 run (torch path
+Tolerances, from an H200 run: the bf16 model itself is ~5 % from its fp32 run (torch path
 5.02e-2, fast path 5.12e-2: the top-6 router choices of a random-weight MoE flip under bf16 rounding), so fast vs
 torch path in bf16 differ by as much (4.84e-2), and the router weight's gradient by 1.5e-1. The test therefore
 asks the fast path to be as faithful to fp32 as the torch path in bf16 (within 25 %, plus 1e-2 for gradients),

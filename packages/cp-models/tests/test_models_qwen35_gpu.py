@@ -3,7 +3,7 @@
 A 4-layer model of the Qwen3.5-0.8B layer shapes (3 GDN + 1 attention layer), one packed row of 4096 tokens in 3
 documents, bf16 weights (as FSDP2 mixed precision computes). Fast: fla for GDN and conv, torch varlen attention.
 Reference: the same bf16 weights on the torch paths (which upcast the recurrences to fp32 inside), so the
-difference is the kernels'. Measured on the H200 (2026-12-02): fast vs torch-bf16 logits 2.06e-2, worst gradient
+difference is the kernels'. Measured on the H200: fast vs torch-bf16 logits 2.06e-2, worst gradient
 A_log 5.4e-2; against an fp32 run fast logits are 2.09e-2 off and torch-bf16 2.18e-2, so the difference is bf16
 rounding of weights and activations, not the kernels. Tolerance: logits 3e-2, every parameter gradient 1e-1 (a
 first version with 2e-2 / 5e-2 failed on the logits at 2.06e-2). The fast path must also be at least as close to
