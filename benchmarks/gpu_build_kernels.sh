@@ -25,6 +25,7 @@ PY
     ls -la .gpu/src
     ;;
   start)
+    rm -f "$BUILD/done"  # collect waits on this marker: a stale one from an earlier build must not satisfy it
     mkdir -p "$BUILD/wheels"
     for sdist in .gpu/src/*.tar.gz; do tar xzf "$sdist" -C "$BUILD"; done
     # keep only the sm_90 gencode pair in each setup.py
@@ -53,12 +54,19 @@ PY
     cat > "$BUILD/build.sh" <<'SH'
 set -x
 cd /tmp/kernel_build
-export MAX_JOBS=16 CAUSAL_CONV1D_FORCE_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE
+# ninja (staged into /tmp/site with the other wheels) lets torch's extension builder compile files in parallel;
+# without it setuptools compiles them one after another. The two packages build side by side on the 16 cores.
+export PATH=/tmp/site/bin:$PATH TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=8
+export CAUSAL_CONV1D_FORCE_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE
 nvcc --version | tail -2
-python3 -m pip wheel -v --no-deps --no-build-isolation -w wheels causal_conv1d-*/ > causal_conv1d.log 2>&1
-echo "causal-conv1d exit $?"
-python3 -m pip wheel -v --no-deps --no-build-isolation -w wheels mamba_ssm-*/ > mamba_ssm.log 2>&1
-echo "mamba-ssm exit $?"
+ninja --version || echo "ninja missing: files compile one at a time"
+build() {
+  python3 -m pip wheel -v --no-deps --no-build-isolation -w wheels "$1"-*/ > "$1.log" 2>&1
+  echo "$1 exit $?"
+}
+build causal_conv1d &
+build mamba_ssm &
+wait
 ls -la wheels
 touch done
 SH
