@@ -122,6 +122,20 @@ def model_flops(model: torch.nn.Module, config, seq_len: int) -> float:
     return flops
 
 
+def transformers_mamba_fast_path(model) -> bool:
+    """Whether transformers' Nemotron-H Mamba mixer runs mamba-ssm's and causal-conv1d's kernels: releases that
+    export ``is_fast_path_available`` say so; later ones take each package's kernel when the package imports."""
+    module = sys.modules[type(model).__module__]
+    if hasattr(module, "is_fast_path_available"):
+        return bool(module.is_fast_path_available)
+    try:
+        import causal_conv1d  # noqa: F401
+        import mamba_ssm.ops.triton.ssd_combined  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
 def build(variant: str, config, device: str):
     """The model of ``variant`` in bf16 on ``device``, and its step function (ids [S] -> loss, backward done)."""
     torch.manual_seed(0)
@@ -138,8 +152,7 @@ def build(variant: str, config, device: str):
         if "ckpt" in variant:
             model.gradient_checkpointing_enable()
         if nemotron:  # whether its Mamba mixer found mamba-ssm and causal-conv1d (else its slow torch path runs)
-            module = sys.modules[type(model).__module__]
-            print(f"transformers nemotron_h fast path: {getattr(module, 'is_fast_path_available', 'not reported')}")
+            print(f"transformers nemotron_h fast path: {transformers_mamba_fast_path(model)}")
 
         def step(ids):
             loss = model(input_ids=ids[None], labels=ids[None]).loss
