@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One GPU session's work, run on the device machine after Triton 3.7.1 and fla are staged into /tmp/site
-# (see ../shared/gpu/stage-wheels.sh). Writes logs and tables under $OUT.
+# cp-core GPU tests and kernel measurements, run on the device machine after Triton 3.7.1 and fla are staged into
+# /tmp/site (see ../shared/gpu/stage-wheels.sh). Writes logs and tables under $OUT.
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$(ls -d "$PWD"/packages/*/src | paste -sd:)
 export PYTHONUNBUFFERED=1

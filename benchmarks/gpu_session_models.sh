@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU session for cp-models and the performance docs, run on the device machine after Triton 3.7.1 and fla are
-# staged into /tmp/site (see ../shared/gpu/stage-wheels.sh). One part per call, each inside a 10-minute command:
+# GPU tests and measurements for cp-models and the performance docs, run on the device machine after Triton 3.7.1
+# and fla are staged into /tmp/site (see ../shared/gpu/stage-wheels.sh). One part per call, each inside a 10-minute command:
 #   bash benchmarks/gpu_session_models.sh tests     # kernel agreement tests, recurrent kernel choice, vision CP, loss/MoE memory
 #   bash benchmarks/gpu_session_models.sh layer     # loss/MoE memory alone; Mamba-2 layer speed of both CP strategies
 #   bash benchmarks/gpu_session_models.sh profile   # torch.profiler tables of the Mamba-2 layer (state passing vs a2a)
@@ -13,21 +13,21 @@
 #   bash benchmarks/gpu_session_models.sh segments  # GDN pre-pass in checkpointed segments: GPU tests, middle-rank peaks
 #   bash benchmarks/gpu_session_models.sh segments-long  # Nemotron-H step; 512k / cp 16 and 1M / cp 32 (all-gathered KV)
 #   bash benchmarks/gpu_session_models.sh large     # model steps of 2B and 35B-A3B 8l vs transformers
-#   bash benchmarks/gpu_session_models.sh moe-vs-hf # 35B-A3B 8l at 32k: the variants not yet recorded (transformers)
+#   bash benchmarks/gpu_session_models.sh moe-vs-hf # 35B-A3B 8l at 32k: act. ckpt and both transformers variants
 #   bash benchmarks/gpu_session_models.sh tiled     # tiled loss + MoE combine: GPU tests, parts alone, 0.8B steps
 #   POINTS="262144:2 262144:4" bash benchmarks/gpu_session_models.sh scale-time  # peaks and compute time per cp
 #   bash benchmarks/gpu_session_models.sh peaks     # allocation sites at the 256k / cp 4 peak; rank 0 at cp 2, 4
 #   bash benchmarks/gpu_session_models.sh kvgather  # all-gathered-KV attention: GPU tests, layer time, 0.8B at cp 16 / 64
 #   bash benchmarks/gpu_session_models.sh ring      # ring attention: its flash block kernels' test, 0.8B at cp 16 / 32 / 64
-#   bash benchmarks/gpu_session_models.sh pending   # every GPU test written but not yet run (ring kernels, GDN under CP)
+#   bash benchmarks/gpu_session_models.sh pending   # ring kernels and fla GDN under CP GPU tests, in one call
 #   bash benchmarks/gpu_session_models.sh long-rows # 128k steps of 2B, Nemotron-H Nano 8l, 35B-A3B 8l; row-check time
 # Logs and tables land under $OUT. Compilation and autotuning of fla's kernels cost minutes per fresh machine (the
-# first step of a new process: ~175 s for a Qwen3.5 model, 8 minutes on 2026-12-04 for the simulated 0.8B at cp 16;
+# first step of a new process: ~175 s for a Qwen3.5 model, 8 minutes for the simulated 0.8B at cp 16;
 # a lone Mamba layer did not finish in 150 s), so every part leaves the Triton cache (compiled kernels and fla's
 # autotuning results) in $OUT/cache/triton-cache.tgz.N, parts of at most 15 MiB (a file coming back may hold 16 MiB,
 # and at most 8 files come back per call: keep a part's own outputs few). Copy them to .gpu/cache/ here and carry
-# .gpu/cache (alone: the staged wheel parts already fill a call's 64 MiB) in the first work call of the next
-# session: every part restores them into ~/.triton/cache, which stays while the machine is warm.
+# .gpu/cache (alone: the staged wheel parts already fill a call's 64 MiB) in the first work call on a fresh
+# machine: every part restores them into ~/.triton/cache, which stays while the machine is warm.
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$(ls -d "$PWD"/packages/*/src | paste -sd:)
 export PYTHONUNBUFFERED=1
@@ -138,7 +138,7 @@ case "${1:-tests}" in
     timeout "${ATTN_S:-200}" python3 benchmarks/attention_cp_time.py --out "$OUT/kv/attention_cp_time.md" --reps 1 \
       --seq-lens 131072 524288 --cps 8 16 64 2>&1 | tee "$OUT/kv/attention_time.log" | grep -E "^\|"
     ;;
-  followup)  # what 2026-12-04m left: the 256k / cp 4 peak's allocation sites (snapshot, early stop off); the
+  followup)  # the 256k / cp 4 peak's allocation sites (snapshot, early stop off); the
     # Nemotron-H step with its recomputing MLP; a simulated 512k / cp 16 step with balanced all-gathered KV
     versions | tee "$OUT/device.txt"
     mkdir -p "$OUT/peaks" "$OUT/nemotron" "$OUT/kv"
@@ -171,7 +171,7 @@ case "${1:-tests}" in
       --points ${POINTS:-524288:16 1048576:32} 2>&1 | tee "$OUT/kv/log.txt" | grep -E "^\||^\{"
     ;;
   ring)  # K|V blocks around the ring (kv_ring): the flash block kernels against the reference, then the long rows
-    # past Ulysses' head limit that all-gathered KV held at 0.955 / 1.26 / 1.63x the ideal (2026-12-04s)
+    # past Ulysses' head limit (all-gathered KV holds them at 0.955 / 1.26 / 1.63x the ideal)
     versions | tee "$OUT/device.txt"
     mkdir -p "$OUT/ring"
     timeout 150 python3 -m pytest -v -p no:cacheprovider packages/cp-core/tests/test_core_attention_gpu.py -k ring \
@@ -181,8 +181,8 @@ case "${1:-tests}" in
       --baseline docs/benchmarks/simulated_scale_qwen3_5-0.8b.json --points ${POINTS:-524288:16 1048576:32 2097152:64} \
       2>&1 | tee "$OUT/ring/log.txt" | grep -E "^\||^\{"
     ;;
-  pending)  # the GPU tests written in sessions without a device, in one call: the ring's fast kernels (2026-12-04,
-    # session 10), fla GDN rank 0 under CP bitwise equal to the local run and no rank keeping the conv output (session 9)
+  pending)  # in one call: the ring's fast kernels, fla GDN rank 0 under CP bitwise equal to the local run and no rank
+    # keeping the conv output
     versions | tee "$OUT/device.txt"
     mkdir -p "$OUT/pending"
     timeout 420 python3 -m pytest -v -p no:cacheprovider packages/cp-core/tests/test_core_attention_gpu.py \

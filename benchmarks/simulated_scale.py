@@ -99,7 +99,7 @@ def run(args, on_row) -> list[dict]:
                     return plain(x)
 
             # The first step at this exact shape counts the bytes; the second, outside the counter's dispatch mode, is
-            # the one timed (an earlier version timed the counted step and saw 128k take 48 s at cp 1). cp = 1 issues
+            # the one timed (a counted 128k step takes 48 s at cp 1: every aten op passes through Python). cp = 1 issues
             # no collectives and --memory-only wants only the peak: their first step runs uncounted. The first step
             # at a new length pays first-call costs (74 s at 128k on the H200, where 256k's second step took 35 s),
             # so --memory-only derives no rate from it.
@@ -107,8 +107,8 @@ def run(args, on_row) -> list[dict]:
             first_step = plain if cp == 1 or args.memory_only or args.planned_bytes else counted
             # Recording memory history breaks non-reentrant checkpointing's early stop when the last tensor a
             # recomputed layer saves comes from a custom autograd Function (the MLP's): torch 2.11 raises
-            # "SystemError: ... apply ... returned NULL" (pytorch/pytorch#179536; reproduced on the H200,
-            # 2026-12-04). Without early stop the recomputation runs to the layer's end and saves the same tensors.
+            # "SystemError: ... apply ... returned NULL" (pytorch/pytorch#179536; reproduced on the H200). Without
+            # early stop the recomputation runs to the layer's end and saves the same tensors.
             if args.snapshot:
                 torch.cuda.memory._record_memory_history(max_entries=args.snapshot)
             with torch.utils.checkpoint.set_checkpoint_early_stop(not args.snapshot):

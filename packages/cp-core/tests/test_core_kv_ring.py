@@ -220,7 +220,7 @@ def test_ring_makes_only_the_hops_some_rank_needs():
 
 
 def test_last_step_is_the_latest_arrival_of_a_block_range():
-    from cp_core.kv_ring import _last_step
+    from cp_core.kv_ring_plan import _last_step
 
     for cp in range(1, 9):
         for rank in range(cp):

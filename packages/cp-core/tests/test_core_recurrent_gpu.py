@@ -2,8 +2,8 @@
 
 The fla path runs on bf16 inputs; the reference is the torch chunked path in fp32 on the same (upcast) inputs.
 Tolerance: ||fla - ref|| / ||ref|| < 2e-2 for outputs, final states and every gradient (bf16 operands land between
-1e-3 and 1e-2; recurrences over 32k tokens accumulate a little more). The measured errors are printed and recorded
-in docs/benchmarks/recurrent_cp.md by the GPU session.
+1e-3 and 1e-2; recurrences over 32k tokens accumulate a little more). The measured errors are printed (`bash
+benchmarks/gpu_session.sh` runs these tests) and recorded in docs/benchmarks/recurrent_cp.md.
 """
 
 import pytest

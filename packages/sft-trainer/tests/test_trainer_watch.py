@@ -315,19 +315,18 @@ def test_store_heartbeats_name_the_ranks_that_stopped_and_not_those_that_finishe
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30))
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(server.port))
-    monkeypatch.setattr(watchdog, "_silent_peers", {})
-    monkeypatch.setattr(watchdog, "_watching", {})
-    assert watchdog.peers_that_stopped() == "another rank stopped answering (frozen, stuck or dead)"
+    watch = watchdog.PeerWatch()
+    assert watch.peers_that_stopped() == "another rank stopped answering (frozen, stuck or dead)"
     prefix = watchdog._store_prefix()
-    watchdog.watch_peers(0, 3, heartbeat_timeout_s=0)
+    watch.start(0, 3, heartbeat_timeout_s=0)
     for _ in range(3):
         server.add(f"{prefix}1", 1)
         server.add(f"{prefix}2", 1)
         time.sleep(watchdog.BEAT_INTERVAL_S)
     server.set(f"{prefix}done/2", "1")
     time.sleep(watchdog.PEER_SILENT_S + 3 * watchdog.BEAT_INTERVAL_S)
-    line = watchdog.peers_that_stopped()
+    line = watch.peers_that_stopped()
     assert re.fullmatch(r"rank 1 stopped answering \(no heartbeat for [4-9] s\)", line), line
     assert server.add(f"{prefix}0", 0) >= 6  # this rank's own beats
-    watchdog.stop_watching()
+    watch.stop()
     assert server.get(f"{prefix}done/0") == b"1"

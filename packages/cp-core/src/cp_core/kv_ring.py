@@ -26,279 +26,51 @@ Kernels: one varlen call per (query range, key range) pair that also returns the
 takes the merged output and log-sum-exp: torch's built-in FlashAttention-2 (``aten._flash_attention_forward`` /
 ``_backward``, the kernels ``torch.nn.attention.varlen.varlen_attn`` runs) on CUDA fp16/bf16 tensors, and
 :func:`reference_block_forward` / :func:`reference_block_backward` (fp32 or fp64 math; the tests' oracle)
-elsewhere.
+elsewhere (:mod:`cp_core.kv_ring_kernels`). Which query rows meet which block at each step is planned on the host
+by :mod:`cp_core.kv_ring_plan`.
 """
 
 from __future__ import annotations
 
-import functools
-import itertools
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from cp_core.errors import ContextParallelError
-from cp_core.kv_gather import QueryStretch, balanced_stretches, query_stretch
-from cp_core.packing import PackedRowMetadata, build_packed_metadata
+from cp_core.kv_ring_kernels import (
+    FLASH_KERNELS,
+    REFERENCE_KERNELS,
+    BlockKernels,
+    flash_block_backward,
+    flash_block_forward,
+    reference_block_backward,
+    reference_block_forward,
+    resolve_ring_kernels,
+)
+from cp_core.kv_ring_plan import BlockCall, RingPlan, block_calls, ring_layout, ring_plan, ring_plans
+from cp_core.packing import PackedRowMetadata
 from cp_core.sharding import exchange_p2p
 from cp_core.topology import CPTopology
-from cp_core.varlen_attention import (
-    AttentionBackend,
-    _causal_mask,
-    check_attention_shard,
-    resolve_attention_backend,
-    varlen_causal_attention,
-)
+from cp_core.varlen_attention import AttentionBackend, check_attention_shard, varlen_causal_attention
 
-# --------------------------------------------------------------------------------------------------------
-# Block kernels: attention of packed query ranges against key ranges with the log-sum-exp, and the backward given
-# the whole row's output and log-sum-exp. Layout as flash-attn's varlen: q [Tq, Hq, D], k/v [Tk, Hkv, D],
-# documents by cu_q / cu_k (int32); lse [Hq, Tq]. ``causal``: each document's keys are its queries' own positions
-# (equal lengths); otherwise every key precedes every query of its document (no mask).
-
-
-def _document_scores(q, k, v, cu_q, cu_k, causal: bool, scale: float):
-    """Per document of a block: its rows ``(q0, q1)``, its q, k, v in fp32 (fp64 for fp64 inputs; k and v repeated
-    to the query heads) and its masked scores ``[H, q, k]``."""
-    compute = torch.promote_types(q.dtype, torch.float32)
-    group = q.size(1) // k.size(1)
-    for (q0, q1), (k0, k1) in zip(_pairs(cu_q), _pairs(cu_k), strict=True):
-        qd = q[q0:q1].to(compute)
-        kd, vd = (t[k0:k1].to(compute).repeat_interleave(group, dim=1) for t in (k, v))
-        scores = torch.einsum("ihd,jhd->hij", qd, kd) * scale
-        if causal:
-            scores = scores.masked_fill(~_causal_mask(q1 - q0, k1 - k0, None, q.device), float("-inf"))
-        yield (q0, q1), qd, kd, vd, scores
-
-
-def reference_block_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, scale: float):
-    """Torch reference of a block's attention: ``(out, lse)`` in fp32 (fp64 for fp64 inputs)."""
-    outputs, lses = [], []
-    for _, _, _, vd, scores in _document_scores(q, k, v, cu_q, cu_k, causal, scale):
-        lse = scores.logsumexp(-1)
-        outputs.append(torch.einsum("hij,jhd->ihd", (scores - lse[..., None]).exp(), vd))
-        lses.append(lse)
-    return torch.cat(outputs), torch.cat(lses, dim=1)
-
-
-def reference_block_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal: bool, scale: float):
-    """Torch reference of a block's backward: ``(dq, dk, dv)`` of this block's share, from the row's ``out`` and
-    ``lse`` (the probabilities are ``exp(scores - lse)``; ``rowsum(dout * out)`` is the softmax's correction)."""
-    heads_kv, group = k.size(1), q.size(1) // k.size(1)
-    dqs, dks, dvs = [], [], []
-    for (q0, q1), qd, kd, vd, scores in _document_scores(q, k, v, cu_q, cu_k, causal, scale):
-        do, od = (t[q0:q1].to(qd.dtype) for t in (dout, out))
-        probs = (scores - lse[:, q0:q1, None].to(qd.dtype)).exp()
-        dvs.append(torch.einsum("hij,ihd->jhd", probs, do))
-        dprobs = torch.einsum("ihd,jhd->hij", do, vd)
-        correction = (do * od).sum(-1).transpose(0, 1)  # [H, i]
-        dscores = probs * (dprobs - correction[..., None])
-        dqs.append(torch.einsum("hij,jhd->ihd", dscores, kd) * scale)
-        dks.append(torch.einsum("hij,ihd->jhd", dscores, qd) * scale)
-
-    def per_kv_head(t: torch.Tensor) -> torch.Tensor:
-        return t.view(t.size(0), heads_kv, group, t.size(2)).sum(2)
-
-    return torch.cat(dqs), per_kv_head(torch.cat(dks)), per_kv_head(torch.cat(dvs))
-
-
-def _pairs(cu: torch.Tensor) -> list[tuple[int, int]]:
-    bounds = cu.tolist()
-    return list(itertools.pairwise(bounds))
-
-
-def flash_block_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, scale: float):
-    """torch's FlashAttention-2 forward: ``(out, lse)``, out in q's dtype, lse fp32 ``[Hq, Tq]``."""
-    out, lse, *_ = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale
-    )
-    return out, lse
-
-
-@functools.cache
-def _flash_lse_is_packed(device: torch.device) -> bool:
-    """Whether torch's flash kernels return the varlen log-sum-exp as ``[heads, tokens]`` (older flash-attn 2
-    releases padded it per document), probed once per device with a two-document call."""
-    q = torch.zeros(3, 2, 8, device=device, dtype=torch.bfloat16)
-    kv = torch.zeros(3, 1, 8, device=device, dtype=torch.bfloat16)
-    cu = torch.tensor([0, 1, 3], dtype=torch.int32, device=device)
-    _, lse = flash_block_forward(q, kv, kv, cu, cu, 2, 2, True, 1.0)
-    return tuple(lse.shape) == (2, 3)
-
-
-def flash_block_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal: bool, scale: float):
-    """torch's FlashAttention-2 backward of one block, from the row's ``out`` and ``lse``."""
-    no_dropout = torch.zeros(2, dtype=torch.uint64, device=q.device)  # the rng state; unread without dropout
-    unused = torch.empty(0, device=q.device)
-    dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, no_dropout, unused, scale=scale
-    )
-    return dq, dk, dv
-
-
-@dataclass(frozen=True)
-class BlockKernels:
-    forward: Callable
-    backward: Callable
-    on_host: bool
-    """Whether the kernels read the document bounds on the host (the reference) or on q's device."""
-
-
-REFERENCE_KERNELS = BlockKernels(reference_block_forward, reference_block_backward, on_host=True)
-FLASH_KERNELS = BlockKernels(flash_block_forward, flash_block_backward, on_host=False)
-
-
-def resolve_ring_kernels(backend: str, q: torch.Tensor, v: torch.Tensor) -> BlockKernels:
-    """The block kernels for ``backend`` and these tensors; raises when a forced fast backend cannot run them."""
-    chosen = resolve_attention_backend(backend, q)
-    if chosen == "torch":
-        return REFERENCE_KERNELS
-    problems = []
-    if not torch.backends.cuda.is_flash_attention_available():
-        problems.append("this torch build has no flash attention kernels")
-    if q.size(-1) != v.size(-1) or q.size(-1) > 256 or q.size(-1) % 8:
-        problems.append(f"flash attention needs one head dim <= 256 and a multiple of 8, got q {q.size(-1)}, "
-                        f"v {v.size(-1)}")  # fmt: skip
-    elif not problems and not _flash_lse_is_packed(q.device):
-        problems.append(f"torch {torch.__version__}'s flash kernels pad the log-sum-exp per document")
-    if problems:
-        raise ContextParallelError(
-            f"ring attention cannot use its flash kernels ({'; '.join(problems)}); use attention CP style "
-            "'kv_gather', or backend='torch' for the reference"
-        )
-    return FLASH_KERNELS
-
-
-# --------------------------------------------------------------------------------------------------------
-# The plan: which query rows meet which key rows of which block, the same on every rank.
-
-
-@dataclass(frozen=True)
-class BlockCall:
-    """One kernel call: rows ``rows`` of the attended queries against rows ``keys`` of the current block, as
-    documents of ``q_lens`` queries and ``k_lens`` keys; ``causal`` for the queries' own keys (the diagonal), else
-    every key comes before every query of its document (the first document's keys on earlier ranks)."""
-
-    rows: tuple[int, int]
-    keys: tuple[int, int]
-    q_lens: tuple[int, ...]
-    k_lens: tuple[int, ...]
-    causal: bool
-
-
-def block_calls(stretches: Sequence[QueryStretch], block_start: int, block_end: int) -> list[BlockCall]:
-    """The calls of ``stretches`` (attended one after another, their rows concatenated) against the global key
-    block ``[block_start, block_end)``. A stretch lies inside one block (it is a shard or half of one), and only its
-    first document can have keys before it, so a block gives a stretch at most a diagonal call and a call of its
-    first piece against earlier keys."""
-    calls, row = [], 0
-    for stretch in stretches:
-        length = stretch.end - stretch.start
-        if stretch.keys_before:
-            first, last = max(block_start, stretch.key_start), min(block_end, stretch.start)
-            if first < last:
-                piece = stretch.seq_lens[0]
-                keys = (first - block_start, last - block_start)
-                calls.append(BlockCall((row, row + piece), keys, (piece,), (last - first,), causal=False))
-        if block_start <= stretch.start and stretch.end <= block_end:
-            keys = (stretch.start - block_start, stretch.end - block_start)
-            calls.append(BlockCall((row, row + length), keys, stretch.seq_lens, stretch.seq_lens, causal=True))
-        row += length
-    return calls
-
-
-@dataclass(frozen=True)
-class RingPlan:
-    """One rank's ring: the query stretches it attends, the partner it swaps half its queries with (None: no
-    swap), the hops every rank makes (the same on all of them), and per step ``t = 0 .. hops`` its calls against
-    the block it then holds, rank ``(rank - t) % cp``'s."""
-
-    stretches: tuple[QueryStretch, ...]
-    partner: int | None
-    hops: int
-    calls: tuple[tuple[BlockCall, ...], ...]
-    bound_table: tuple[int, ...]
-    """Every call's ``cu_q`` then ``cu_k``, step by step, one flat table (moved to the kernels' device per forward)."""
-    bound_starts: tuple[tuple[int, ...], ...]
-    """Per step, where each call's bounds begin in ``bound_table``."""
-
-
-def _last_step(rank: int, cp: int, first_block: int, last_block: int) -> int:
-    """The last ring step at which ``rank`` holds one of blocks ``first_block .. last_block`` (block ``x`` is there at
-    step ``(rank - x) % cp``): the earliest block at or before ``rank``, or the first block after it, which comes
-    round last."""
-    steps = []
-    if first_block <= rank:
-        steps.append(rank - first_block)
-    if last_block > rank:
-        steps.append(cp + rank - max(first_block, rank + 1))
-    return max(steps)
-
-
-def _steps_needed(stretches: Sequence[QueryStretch], rank: int, cp: int, local: int) -> int:
-    return max(_last_step(rank, cp, s.key_start // local, (s.end - 1) // local) for s in stretches)
-
-
-@functools.lru_cache(maxsize=8)
-def ring_layout(
-    seq_lens: tuple[int, ...], cp: int, balance: bool = True
-) -> tuple[tuple[tuple[QueryStretch, ...], ...], tuple[int | None, ...], int]:
-    """Every rank's query stretches and partner, and the hops of the ring, for a row of documents ``seq_lens`` over
-    ``cp`` ranks (a pure function of its arguments, cached: every attention layer of a step asks for the same row).
-
-    Balancing is all-gathered KV's (:func:`~cp_core.kv_gather.balanced_stretches`), with one more rule: a pair swaps
-    only if neither rank then needs a block later than the unbalanced ring's last step. Keys travel one way, so a
-    rank attending its partner's queries waits for blocks from the far side of the ring: for documents shorter than
-    a shard a swap would stretch the ring from one hop to ``cp - 1`` (each a block sent forward and a block and its
-    gradient backward) to even out a little compute. For a document spanning the row every rank needs ``cp - 1``
-    hops anyway, and the pairs swap as under all-gathered KV."""
-    metadata = build_packed_metadata(seq_lens, 0, cp)
-    local = metadata.local_len
-    own = [(query_stretch(metadata, r * local, (r + 1) * local),) for r in range(cp)]
-    unbalanced_hops = max(_steps_needed(own[r], r, cp, local) for r in range(cp))
-    stretches: list[tuple[QueryStretch, ...]] = list(own)
-    partners: list[int | None] = [None] * cp
-    if balance:
-        for rank in range(cp // 2):
-            partner = cp - 1 - rank
-            mine, swapped = balanced_stretches(metadata, rank=rank)
-            if swapped is None:
-                continue
-            theirs, _ = balanced_stretches(metadata, rank=partner)
-            if max(_steps_needed(mine, rank, cp, local), _steps_needed(theirs, partner, cp, local)) > unbalanced_hops:
-                continue
-            stretches[rank], stretches[partner] = tuple(mine), tuple(theirs)
-            partners[rank], partners[partner] = partner, rank
-    hops = max(_steps_needed(stretches[r], r, cp, local) for r in range(cp))
-    return tuple(stretches), tuple(partners), hops
-
-
-@functools.lru_cache(maxsize=8)
-def ring_plan(seq_lens: tuple[int, ...], cp: int, rank: int, balance: bool = True) -> RingPlan:
-    """Rank ``rank``'s :class:`RingPlan` (see :func:`ring_layout`; cached)."""
-    stretches, partners, hops = ring_layout(seq_lens, cp, balance)
-    local = sum(seq_lens) // cp
-    calls, table, starts = [], [], []
-    for step in range(hops + 1):
-        block = (rank - step) % cp
-        calls.append(tuple(block_calls(stretches[rank], block * local, (block + 1) * local)))
-        starts.append([])
-        for call in calls[-1]:
-            starts[-1].append(len(table))
-            for lens in (call.q_lens, call.k_lens):
-                table.extend(itertools.accumulate(lens, initial=0))
-    return RingPlan(stretches[rank], partners[rank], hops, tuple(calls), tuple(table), tuple(tuple(s) for s in starts))
-
-
-def ring_plans(seq_lens: tuple[int, ...], cp: int, balance: bool = True) -> tuple[RingPlan, ...]:
-    """Every rank's :class:`RingPlan`."""
-    return tuple(ring_plan(tuple(seq_lens), cp, rank, balance) for rank in range(cp))
-
-
-# --------------------------------------------------------------------------------------------------------
-# The ring
+__all__ = [  # the kernels and the plan live in kv_ring_kernels and kv_ring_plan; their names are re-exported here
+    "FLASH_KERNELS",
+    "REFERENCE_KERNELS",
+    "BlockCall",
+    "BlockKernels",
+    "RingPlan",
+    "block_calls",
+    "flash_block_backward",
+    "flash_block_forward",
+    "kv_ring_attention",
+    "reference_block_backward",
+    "reference_block_forward",
+    "resolve_ring_kernels",
+    "ring_layout",
+    "ring_plan",
+    "ring_plans",
+]
 
 
 def _shift(tensors: Sequence[torch.Tensor], send_to: int, recv_from: int, topology: CPTopology):

@@ -25,15 +25,7 @@ from sft_trainer.progress import Progress
 from sft_trainer.report import write_report_at_end
 from sft_trainer.run_folder import set_aside_previous_run
 from sft_trainer.train import MetricsWriter, StepStats, lr_lambda, train_step
-from sft_trainer.watchdog import (
-    collective_timeout,
-    is_collective_timeout,
-    peers_that_stopped,
-    run_workers,
-    start_beating,
-    stop_watching,
-    watch_peers,
-)
+from sft_trainer.watchdog import PeerWatch, collective_timeout, is_collective_timeout, run_workers, start_beating
 
 
 def _free_port() -> int:
@@ -77,7 +69,10 @@ def run_worker_then_exit(cfg) -> NoReturn:
             raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, on_sigint)
+    peers = PeerWatch()
     try:
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun: no launcher of ours watches, the ranks watch each other
+            peers.start(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cfg.parallel.heartbeat_timeout_s)
         worker(cfg)
     except SystemExit as exc:
         if isinstance(exc.code, int):
@@ -96,12 +91,12 @@ def run_worker_then_exit(cfg) -> NoReturn:
             rank = os.environ.get("RANK", "?")
             print(
                 f"sft-train: rank {rank}: a collective timed out after {cfg.parallel.collective_timeout_s:g} s "
-                f"(parallel.collective_timeout_s): {peers_that_stopped()}",
+                f"(parallel.collective_timeout_s): {peers.peers_that_stopped()}",
                 file=sys.stderr,
             )
         elif code == 1:
             traceback.print_exc()
-    stop_watching()
+    peers.stop()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -157,8 +152,6 @@ def worker(cfg) -> dict[str, Any]:
     dist.init_process_group(backend, timeout=collective_timeout(cfg))
     try:
         rank = dist.get_rank()
-        if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun: no launcher of ours watches, the ranks watch each other
-            watch_peers(rank, dist.get_world_size(), cfg.parallel.heartbeat_timeout_s)
         mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
         topology = CPTopology.from_mesh(mesh, "cp")
         if rank == 0 and resume_checkpoint(cfg) is None:

@@ -8,7 +8,7 @@ stamping: ``parallel.collective_timeout_s`` (the process group's timeout) ends t
 
 Under torchrun no launcher of ours watches: each rank's thread counts its beats in a key of the rendezvous store
 (torchrun's TCPStore) and reads its peers' counts; a peer whose count has not moved for the heartbeat timeout
-is named in one line (by the first rank to see it), and the ranks that saw it leave (see ``watch_peers``).
+is named in one line (by the first rank to see it), and the ranks that saw it leave (see ``PeerWatch``).
 """
 
 from __future__ import annotations
@@ -51,9 +51,6 @@ def start_beating(beats, rank: int) -> None:
     threading.Thread(target=beat, name="sft-train-heartbeat", daemon=True).start()
 
 
-# The ranks a torchrun worker's heartbeat thread has seen stop beating: rank -> seconds since its last beat.
-_silent_peers: dict[int, float] = {}
-_watching: dict[str, Any] = {}  # this rank's store, key prefix and rank while watch_peers runs
 PEER_SILENT_S = 3 * BEAT_INTERVAL_S  # a peer is named in a collective timeout's line after this long without a beat
 
 
@@ -62,53 +59,83 @@ def _store_prefix() -> str:
     return f"sft-train/heartbeat/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
 
-def watch_peers(rank: int, world: int, heartbeat_timeout_s: float) -> None:
-    """Under torchrun: beat into the rendezvous store and watch the other ranks' beats, from a daemon thread.
+class PeerWatch:
+    """Under torchrun: this rank's beats in the rendezvous store and its view of the other ranks' beats.
 
-    Every second this rank adds 1 to its counter and reads every rank's; a peer whose counter has not moved for
-    ``heartbeat_timeout_s`` (``> 0``) stopped answering. The first rank to see it prints one line naming the
-    silent rank(s), their pid and host; every rank that sees it ends a silent rank on its own host (SIGKILL: a
-    stopped process ignores torchrun's SIGTERM) and exits with code 1, and torchrun ends the rest. Peers silent
-    for a few seconds are also kept for ``peers_that_stopped``, which a collective timeout's line names."""
-    import torch.distributed as dist
+    The process that starts the watch owns it: ``start`` it once, ask ``peers_that_stopped`` for a collective
+    timeout's line, and ``stop`` it on the way out (a watch never started stops as a no-op)."""
 
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    prefix = _store_prefix()
-    store.set(f"{prefix}who/{rank}", f"{os.getpid()} {socket.gethostname()}")
-    stopping = threading.Event()
+    def __init__(self) -> None:
+        self._silent: dict[int, float] = {}  # ranks seen silent: rank -> seconds since its last beat
+        self._store: Any = None
+        self._prefix = ""
+        self._rank = -1
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
 
-    def beat() -> None:
-        seen = [0] * world
-        moved_at = [time.monotonic()] * world
-        while not stopping.is_set():
-            try:
-                store.add(f"{prefix}{rank}", 1)
-                counts = [store.add(f"{prefix}{r}", 0) for r in range(world)]
-            except Exception:  # the store is gone: torchrun's agent ended, and with it this job
-                return
-            now = time.monotonic()
-            for r, count in enumerate(counts):
-                if count != seen[r]:
-                    seen[r], moved_at[r] = count, now
-            silent = {r: now - moved_at[r] for r in range(world) if r != rank and seen[r] > 0}
-            silent = {r: s for r, s in silent.items() if s > PEER_SILENT_S}
-            if silent:  # a rank that finished its run stops beating too
-                silent = {r: s for r, s in silent.items() if not store.check([f"{prefix}done/{r}"])}
-            _silent_peers.clear()
-            _silent_peers.update(silent)
-            stopped = sorted(r for r, s in silent.items() if heartbeat_timeout_s > 0 and s > heartbeat_timeout_s)
-            if stopped:
-                _end_silent_peers(store, prefix, rank, stopped, silent, heartbeat_timeout_s)
-            stopping.wait(BEAT_INTERVAL_S)
+    def start(self, rank: int, world: int, heartbeat_timeout_s: float) -> None:
+        """Beat into the rendezvous store and watch the other ranks' beats, from a daemon thread.
 
-    thread = threading.Thread(target=beat, name="sft-train-store-heartbeat", daemon=True)
-    _watching.update(store=store, prefix=prefix, rank=rank, stopping=stopping, thread=thread)
-    thread.start()
+        Every second this rank adds 1 to its counter and reads every rank's; a peer whose counter has not moved for
+        ``heartbeat_timeout_s`` (``> 0``) stopped answering. The first rank to see it prints one line naming the
+        silent rank(s), their pid and host; every rank that sees it ends a silent rank on its own host (SIGKILL: a
+        stopped process ignores torchrun's SIGTERM) and exits with code 1, and torchrun ends the rest. Peers silent
+        for a few seconds are also kept for ``peers_that_stopped``, which a collective timeout's line names."""
+        import torch.distributed as dist
+
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        prefix = _store_prefix()
+        store.set(f"{prefix}who/{rank}", f"{os.getpid()} {socket.gethostname()}")
+        stopping = self._stopping
+
+        def beat() -> None:
+            seen = [0] * world
+            moved_at = [time.monotonic()] * world
+            while not stopping.is_set():
+                try:
+                    store.add(f"{prefix}{rank}", 1)
+                    counts = [store.add(f"{prefix}{r}", 0) for r in range(world)]
+                except Exception:  # the store is gone: torchrun's agent ended, and with it this job
+                    return
+                now = time.monotonic()
+                for r, count in enumerate(counts):
+                    if count != seen[r]:
+                        seen[r], moved_at[r] = count, now
+                silent = {r: now - moved_at[r] for r in range(world) if r != rank and seen[r] > 0}
+                silent = {r: s for r, s in silent.items() if s > PEER_SILENT_S}
+                if silent:  # a rank that finished its run stops beating too
+                    silent = {r: s for r, s in silent.items() if not store.check([f"{prefix}done/{r}"])}
+                self._silent = silent  # one rebinding: a reader sees the previous beat's view or this one
+                stopped = sorted(r for r, s in silent.items() if heartbeat_timeout_s > 0 and s > heartbeat_timeout_s)
+                if stopped:
+                    _end_silent_peers(store, prefix, rank, stopped, silent, heartbeat_timeout_s)
+                stopping.wait(BEAT_INTERVAL_S)
+
+        self._store, self._prefix, self._rank = store, prefix, rank
+        self._thread = threading.Thread(target=beat, name="sft-train-store-heartbeat", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Tell the other ranks that this one is leaving on purpose (its heartbeat stops; it is not frozen)."""
+        if self._thread is None:
+            return
+        self._stopping.set()
+        self._thread.join(timeout=2 * BEAT_INTERVAL_S)
+        with contextlib.suppress(Exception):  # the store is gone: nobody is watching
+            self._store.set(f"{self._prefix}done/{self._rank}", "1")
+
+    def peers_that_stopped(self) -> str:
+        """For a collective timeout's line: the ranks whose store heartbeat stopped, or "another rank"."""
+        silent = self._silent
+        if not silent:
+            return "another rank stopped answering (frozen, stuck or dead)"
+        names = ", ".join(f"rank {r}" for r in sorted(silent))
+        return f"{names} stopped answering (no heartbeat for {max(silent.values()):.0f} s)"
 
 
 def _end_silent_peers(store, prefix: str, rank: int, stopped: list[int], silent: dict[int, float], timeout_s: float):
@@ -128,24 +155,6 @@ def _end_silent_peers(store, prefix: str, rank: int, stopped: list[int], silent:
                 os.kill(int(who[r][0]), signal.SIGKILL)
     sys.stdout.flush()
     os._exit(1)
-
-
-def stop_watching() -> None:
-    """Tell the other ranks that this one is leaving on purpose (its heartbeat stops; it is not frozen)."""
-    if _watching:
-        _watching["stopping"].set()
-        _watching["thread"].join(timeout=2 * BEAT_INTERVAL_S)
-        with contextlib.suppress(Exception):  # the store is gone: nobody is watching
-            _watching["store"].set(f"{_watching['prefix']}done/{_watching['rank']}", "1")
-
-
-def peers_that_stopped() -> str:
-    """For a collective timeout's line: the ranks whose store heartbeat stopped, or "another rank"."""
-    if not _silent_peers:
-        return "another rank stopped answering (frozen, stuck or dead)"
-    ranks = sorted(_silent_peers)
-    names = ", ".join(f"rank {r}" for r in ranks)
-    return f"{names} stopped answering (no heartbeat for {max(_silent_peers.values()):.0f} s)"
 
 
 def collective_timeout(cfg) -> datetime.timedelta:
