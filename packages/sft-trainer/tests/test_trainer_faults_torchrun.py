@@ -139,6 +139,20 @@ def test_a_stop_every_rank_meets_is_said_once_by_the_launcher(tmp_path):
     assert lines[0].endswith("[this host: rank 0 exited with code 1, rank 1 exited with code 1]"), lines
 
 
+def test_a_run_that_succeeds_prints_its_steps_and_no_failure(tmp_path):
+    """One worker, 2 steps: exit 0, the step lines on stdout, nothing of ours (nor torchrun's) on stderr."""
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "sft_trainer.torchrun", "--standalone", "--nproc-per-node", "1", "--output_dir",
+         str(out), *TRAIN, "--parallel.cp", "1", "--train.steps", "2"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0 and _user_lines(proc.stderr) == [], proc.stderr[-3000:]
+    steps = [line.split(" | ")[0] for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert steps == ["step     1/2", "step     2/2"], proc.stdout[-3000:]
+    assert (out / "metrics.jsonl").read_text().count("\n") == 2
+
+
 def test_the_launcher_refuses_a_config_or_option_mistake_before_any_worker(tmp_path, capsys):
     out = str(tmp_path / "out")
     for argv, want in (

@@ -70,9 +70,11 @@ def watch_peers(rank: int, world: int, heartbeat_timeout_s: float) -> None:
     """Under torchrun: beat into the rendezvous store and watch the other ranks' beats, from a daemon thread.
 
     Every second this rank adds 1 to its counter and reads every rank's; a peer whose counter has not moved for
-    ``heartbeat_timeout_s`` (``> 0``) stopped answering. The first rank to see it prints one line naming the
-    silent rank(s), their pid and host; every rank that sees it ends a silent rank on its own host (SIGKILL: a
-    stopped process ignores torchrun's SIGTERM) and exits with code 1, and torchrun ends the rest. Peers silent
+    ``heartbeat_timeout_s`` (``> 0``) stopped answering. The first rank to see it says one line naming the
+    silent rank(s), their pid and host; every rank that sees it has the silent ranks killed (SIGKILL: a stopped
+    process ignores torchrun's SIGTERM) and exits with code 1, and torchrun ends the rest. Under sft-torchrun each
+    host's launcher kills its own (``job_failure.request_abort``); under plain torchrun a rank kills those on its
+    host. Peers silent
     for a few seconds are also kept for ``peers_that_stopped``, which a collective timeout's line names."""
     import torch.distributed as dist
 
