@@ -87,6 +87,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise SystemExit(_run(args, watcher))
         finally:
             watcher.stop()
+            os.environ.pop(LAUNCHER_DIR_ENV, None)
+            logging.disable(logging.NOTSET)
 
 
 def _torchrun_args(launcher_args: list[str], trainer_args: list[str]):
