@@ -5,7 +5,8 @@
 that fits instead (:mod:`sft_trainer.plan`), starting nothing. ``sft-train inspect-data ... [--rows N]`` prints the
 first packed rows with their loss tokens marked (:mod:`sft_trainer.inspect_data`). ``sft-train report RUN_DIR``
 plots a run's metrics (:mod:`sft_trainer.report`). ``--config`` may stand anywhere among the overrides; the
-overrides apply on top of it, in order. ``python -m sft_trainer.run`` (torchrun's form) is the same command.
+overrides apply on top of it, in order. ``python -m sft_trainer.run`` (torchrun's form) is the same command;
+``sft-torchrun`` (:mod:`sft_trainer.torchrun`) runs it under torchrun's agent, one command per host.
 """
 
 from __future__ import annotations
