@@ -120,7 +120,12 @@ def test_with_the_heartbeat_off_a_collective_timeout_ends_every_host_with_one_li
         lines = _user_lines(stderr)
         assert code == 1 and len(lines) == 1 and lines[0].startswith(want), (host, code, stderr[-3000:])
         assert "rank 1 stopped answering (no heartbeat for " in lines[0], lines  # the ranks still beat
-    assert " [this host: " in ends[1][1].splitlines()[-1]  # its worker killed, or its agent's store gone first
+    # host 1's worker is killed by its launcher, or its agent finds the job's store closed first: both seen
+    assert (
+        ends[1][1]
+        .splitlines()[-1]
+        .endswith(("[this host: rank 1 killed by SIGKILL]", "after the job failed (RendezvousConnectionError)]"))
+    )
     assert waited < 10 + 20, waited  # the timeout, the launchers' grace (5 s) and shutdown, a loaded machine
     print(f"two hosts, heartbeat off: both launchers ended {waited:.1f} s after the SIGSTOP")
 

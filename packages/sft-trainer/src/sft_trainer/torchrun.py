@@ -120,11 +120,10 @@ def _run(args, watcher: StoreWatcher) -> int | str:
         print(f"sft-train: interrupted ({name}); every worker of this host was stopped", file=sys.stderr)
         return 130
     except Exception as exc:  # the rendezvous (a wrong endpoint, a host that never joined) or the agent
-        reason = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
         said = watcher.failure()
         if said:  # the job failed on another host, whose agent then closed the rendezvous under this one
-            return f"{said} [this host: its workers were stopped; torchrun's agent: {reason}]"
-        return f"sft-torchrun: {reason}"
+            return f"{said} [this host: its workers were stopped after the job failed ({type(exc).__name__})]"
+        return f"sft-torchrun: {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
 
 
 def failure_line(failures: dict, said: str | None) -> str:
