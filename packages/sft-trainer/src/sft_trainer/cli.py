@@ -5,7 +5,8 @@
 that fits instead (:mod:`sft_trainer.plan`), starting nothing. ``sft-train inspect-data ... [--rows N]`` prints the
 first packed rows with their loss tokens marked (:mod:`sft_trainer.inspect_data`). ``sft-train report RUN_DIR``
 plots a run's metrics (:mod:`sft_trainer.report`). ``--config`` may stand anywhere among the overrides; the
-overrides apply on top of it, in order. ``python -m sft_trainer.run`` (torchrun's form) is the same command.
+overrides apply on top of it, in order. ``python -m sft_trainer.run`` (torchrun's form) is the same command;
+``sft-torchrun`` (:mod:`sft_trainer.torchrun`) runs it under torchrun's agent, one command per host.
 """
 
 from __future__ import annotations
@@ -49,11 +50,15 @@ INSPECT_USAGE = (
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``sft-train``. Under torchrun a problem found before training is said by rank 0 alone (every rank finds
-    it); the others exit with the same code."""
+    it; under sft-torchrun its launcher says it); the others exit with the same code."""
     try:
         start(argv)
     except SystemExit as exc:
-        if os.environ.get("RANK", "0") != "0" and isinstance(exc.code, str):
+        if "RANK" in os.environ and isinstance(exc.code, str):
+            if os.environ["RANK"] == "0":
+                from sft_trainer.job_failure import say_once
+
+                say_once(exc.code)
             raise SystemExit(1) from None
         raise
 
@@ -102,8 +107,21 @@ def train_main(argv: Sequence[str]) -> None:
     """``sft-train [--config FILE] [--section.key VALUE ...]``: validate the config and what this machine and the
     run folder allow, then train."""
     from sft_trainer import run
+    from sft_trainer.run_folder import hold_run_folders
+
+    cfg = checked_config(argv)
+    if os.environ.get("RANK", "0") == "0":  # the launcher, or torchrun's rank 0: holds the folders until it ends
+        hold_run_folders(cfg)
+    if run.backend_of(cfg) == "nccl" and os.environ.get("RANK", "0") == "0":  # a GPU run
+        warn_when_plan_does_not_fit(cfg)
+    run.launch(cfg)
+
+
+def checked_config(argv: Sequence[str]) -> TrainConfig:
+    """The run's config, once it, the checkpoint to resume, the output folders and this machine allow it to run;
+    else SystemExit with one line per problem."""
     from sft_trainer.checkpoint import check_resume
-    from sft_trainer.run_folder import hold_run_folders, output_problems
+    from sft_trainer.run_folder import output_problems
 
     try:
         path, overrides = split_config_argument(argv)
@@ -117,11 +135,7 @@ def train_main(argv: Sequence[str]) -> None:
     problems = output_problems(cfg) + runtime_problems(cfg)
     if problems:
         raise SystemExit("\n".join(f"sft-train: {p}" for p in problems))
-    if os.environ.get("RANK", "0") == "0":  # the launcher, or torchrun's rank 0: holds the folders until it ends
-        hold_run_folders(cfg)
-    if run.backend_of(cfg) == "nccl" and os.environ.get("RANK", "0") == "0":  # a GPU run
-        warn_when_plan_does_not_fit(cfg)
-    run.launch(cfg)
+    return cfg
 
 
 def runtime_problems(cfg: TrainConfig) -> list[str]:

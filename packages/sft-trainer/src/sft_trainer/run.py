@@ -11,7 +11,6 @@ import socket
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -20,6 +19,7 @@ import torch.distributed as dist
 
 from cp_core import CPTopology
 from sft_trainer.checkpoint import data_change_problem, maybe_resume, resume_checkpoint, save_checkpoint
+from sft_trainer.job_failure import announce_store, report_exception, say_once
 from sft_trainer.model import ModelLoadError, build_model, one_line
 from sft_trainer.progress import Progress
 from sft_trainer.report import write_report_at_end
@@ -77,8 +77,8 @@ def run_worker_then_exit(cfg) -> NoReturn:
     except SystemExit as exc:
         if isinstance(exc.code, int):
             code = exc.code
-        elif exc.code is not None:  # SystemExit("message"): print it as the interpreter would, exit with 1
-            print(exc.code, file=sys.stderr)
+        elif exc.code is not None:  # SystemExit("message"): said once for the job, exit with 1
+            say_once(str(exc.code))
             code = 1
     except KeyboardInterrupt:  # Ctrl-C reaches every worker: no traceback per process
         code = 130
@@ -89,13 +89,12 @@ def run_worker_then_exit(cfg) -> NoReturn:
         code = 130 if interrupted.wait(INTERRUPT_GRACE_S) else 1
         if code == 1 and is_collective_timeout(exc):
             rank = os.environ.get("RANK", "?")
-            print(
+            say_once(  # every surviving rank times out alike: the first says it
                 f"sft-train: rank {rank}: a collective timed out after {cfg.parallel.collective_timeout_s:g} s "
-                f"(parallel.collective_timeout_s): {peers.peers_that_stopped()}",
-                file=sys.stderr,
+                f"(parallel.collective_timeout_s): {peers.peers_that_stopped()}"
             )
         elif code == 1:
-            traceback.print_exc()
+            report_exception(exc)
     peers.stop()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -122,7 +121,7 @@ def _stop(rank: int, message: str) -> NoReturn:
     Rank 0 says it first; every rank then waits for the others (at most STOP_WAIT_S) before it ends, since the
     launcher stops every worker as soon as one ends and rank 0 must have spoken by then."""
     if rank == 0:
-        print(f"sft-train: {message}", file=sys.stderr, flush=True)
+        say_once(f"sft-train: {message}")
     _wait_for_every_rank(STOP_WAIT_S)
     raise SystemExit(1) from None
 
@@ -150,6 +149,7 @@ def worker(cfg) -> dict[str, Any]:
     # the mesh's subgroups take torch's default timeout, not the default group's: set that one too
     dist.distributed_c10d.default_pg_timeout = dist.distributed_c10d.default_pg_nccl_timeout = collective_timeout(cfg)
     dist.init_process_group(backend, timeout=collective_timeout(cfg))
+    announce_store()  # sft-torchrun's launcher watches the job's store from here on
     try:
         rank = dist.get_rank()
         mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))

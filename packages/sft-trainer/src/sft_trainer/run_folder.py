@@ -14,6 +14,7 @@ import fcntl
 import json
 import os
 import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,9 +35,22 @@ def _folder_problem(field: str, value: str, folder: Path) -> str | None:
     base = _first_existing(folder)
     if not base.is_dir():
         return f"{field}={value!r}: {base} is a file, so {folder} cannot be created; choose another path"
-    if not os.access(base, os.W_OK | os.X_OK):
-        what = "is not writable" if base == folder else f"cannot be created ({base} is not writable)"
+    refused = _write_refused(base)
+    if refused:
+        what = f"is not writable ({refused})" if base == folder else f"cannot be created (in {base}: {refused})"
         return f"{field}={value!r}: {folder} {what}; choose a writable path"
+    return None
+
+
+def _write_refused(folder: Path) -> str | None:
+    """Why a file cannot be created in ``folder`` (the OS's reason), or None. Tried, not inferred from the mode:
+    root passes every permission check, yet a read-only mount or a kernel folder (/proc, /sys) refuses it."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return "permission denied"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".sft-train-write-check-", dir=folder))
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
     return None
 
 
@@ -59,13 +73,22 @@ def output_problems(cfg) -> list[str]:
     field, value = "logging.metrics_file", cfg.logging.metrics_file
     if metrics.is_dir():
         problems.append(f"{field}={value!r}: {metrics} is a folder; name a file")
-    elif metrics.exists() and not os.access(metrics, os.W_OK):
-        problems.append(f"{field}={value!r}: {metrics} is not writable")
+    elif metrics.exists() and _append_refused(metrics):
+        problems.append(f"{field}={value!r}: {metrics} is not writable ({_append_refused(metrics)})")
     else:
         problem = _folder_problem(field, value, metrics.parent)
         if problem:
             problems.append(problem)
     return problems
+
+
+def _append_refused(path: Path) -> str | None:
+    """Why ``path`` (an existing file) cannot be opened to append to, or None (nothing is written)."""
+    try:
+        with open(path, "ab"):
+            return None
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
 
 
 def lock_paths(cfg) -> list[Path]:

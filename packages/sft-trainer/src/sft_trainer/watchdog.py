@@ -8,7 +8,8 @@ stamping: ``parallel.collective_timeout_s`` (the process group's timeout) ends t
 
 Under torchrun no launcher of ours watches: each rank's thread counts its beats in a key of the rendezvous store
 (torchrun's TCPStore) and reads its peers' counts; a peer whose count has not moved for the heartbeat timeout
-is named in one line (by the first rank to see it), and the ranks that saw it leave (see ``PeerWatch``).
+is named in one line (by the first rank to see it), and the ranks that saw it leave (see ``PeerWatch``); under
+``sft-torchrun`` each host's launcher kills its own frozen worker (see ``sft_trainer.torchrun``).
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from sft_trainer.job_failure import STORE_ENV, ended, request_abort, say_once
+
 BEAT_INTERVAL_S = 1.0
 STOP_GRACE_S = 3.0  # after the first failure, how long the other workers get to end before SIGKILL
+ABORT_WAIT_S = 5.0  # how long the rank that names a frozen peer waits for the launchers to kill it
 
 
 def shared_beats(world: int):
@@ -77,10 +81,12 @@ class PeerWatch:
         """Beat into the rendezvous store and watch the other ranks' beats, from a daemon thread.
 
         Every second this rank adds 1 to its counter and reads every rank's; a peer whose counter has not moved for
-        ``heartbeat_timeout_s`` (``> 0``) stopped answering. The first rank to see it prints one line naming the
-        silent rank(s), their pid and host; every rank that sees it ends a silent rank on its own host (SIGKILL: a
-        stopped process ignores torchrun's SIGTERM) and exits with code 1, and torchrun ends the rest. Peers silent
-        for a few seconds are also kept for ``peers_that_stopped``, which a collective timeout's line names."""
+        ``heartbeat_timeout_s`` (``> 0``) stopped answering. The first rank to see it says one line naming the
+        silent rank(s), their pid and host; every rank that sees it has the silent ranks killed (SIGKILL: a stopped
+        process ignores torchrun's SIGTERM) and exits with code 1, and torchrun ends the rest. Under sft-torchrun
+        each host's launcher kills its own (``job_failure.request_abort``); under plain torchrun a rank kills those
+        on its host. Peers silent for a few seconds are also kept for ``peers_that_stopped``, which a collective
+        timeout's line names."""
         import torch.distributed as dist
 
         store = dist.TCPStore(
@@ -90,7 +96,7 @@ class PeerWatch:
             timeout=datetime.timedelta(seconds=60),
         )
         prefix = _store_prefix()
-        store.set(f"{prefix}who/{rank}", f"{os.getpid()} {socket.gethostname()}")
+        store.set(f"{prefix}who/{rank}", f"{os.getpid()} {socket.gethostname()} {os.getppid()}")  # ppid: its launcher
         stopping = self._stopping
 
         def beat() -> None:
@@ -140,19 +146,22 @@ class PeerWatch:
 
 def _end_silent_peers(store, prefix: str, rank: int, stopped: list[int], silent: dict[int, float], timeout_s: float):
     who = {r: store.get(f"{prefix}who/{r}").decode().split() for r in stopped}
-    if store.add(f"{prefix}reported", 1) == 1:  # the first rank to see it says it; the others leave quietly
-        named = ", ".join(f"rank {r} (pid {who[r][0]} on {who[r][1]})" for r in stopped)
-        print(
-            f"sft-train: rank {rank}: {named} stopped answering: no heartbeat for {max(silent[r] for r in stopped):.0f}"
-            f" s (parallel.heartbeat_timeout_s={timeout_s:g}); stopping (a process stopped by a signal, or stuck in "
-            "native code)",
-            file=sys.stderr,
-            flush=True,
-        )
-    for r in stopped:
-        if who[r][1] == socket.gethostname():
-            with contextlib.suppress(OSError):  # already gone
-                os.kill(int(who[r][0]), signal.SIGKILL)
+    named = ", ".join(f"rank {r} (pid {who[r][0]} on {who[r][1]})" for r in stopped)
+    say_once(  # the first failure of the job is said; a rank that sees it later leaves quietly
+        f"sft-train: rank {rank}: {named} stopped answering: no heartbeat for {max(silent[r] for r in stopped):.0f}"
+        f" s (parallel.heartbeat_timeout_s={timeout_s:g}); stopping (a process stopped by a signal, or stuck in "
+        "native code)",
+        store,
+    )
+    if request_abort(who, store):  # sft-torchrun: each host's launcher kills its own, wherever it runs
+        deadline = time.monotonic() + ABORT_WAIT_S
+        while not ended(stopped, store) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    else:
+        for r in stopped:
+            if who[r][1] == socket.gethostname():
+                with contextlib.suppress(OSError):  # already gone
+                    os.kill(int(who[r][0]), signal.SIGKILL)
     sys.stdout.flush()
     os._exit(1)
 
@@ -185,8 +194,16 @@ def _end(processes: list, first: Any | None = None) -> None:
 def run_workers(target, args: tuple, world: int, heartbeat_timeout_s: float) -> None:
     """Spawn ``world`` workers ``target(rank, *args, beats)`` and wait for them; raise SystemExit with one line
     when one fails, is killed, stops answering, or the launcher is interrupted (forwarded to the workers)."""
+    import torch.distributed as dist
+
     beats = shared_beats(world)
-    context = mp.start_processes(target, args=(*args, beats), nprocs=world, join=False, start_method="spawn")
+    # the job's store, here where no worker can freeze it: the first failure of the job claims it (said once)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    os.environ[STORE_ENV] = f"127.0.0.1:{store.port}"  # the spawned workers inherit it
+    try:
+        context = mp.start_processes(target, args=(*args, beats), nprocs=world, join=False, start_method="spawn")
+    finally:
+        del os.environ[STORE_ENV]
     processes = context.processes
     running = {p.sentinel: rank for rank, p in enumerate(processes)}
     try:
