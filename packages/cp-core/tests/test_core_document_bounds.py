@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
 from cp_core import build_packed_metadata, cu_seqlens_from_lens
 from cp_core.chunking import build_chunk_layout
 from cp_core.document_bounds import FLA_CHUNK, build_document_bounds, build_row_bounds, chunk_indices_from_lens
+from cp_core.gated_delta import chunk_gated_delta_rule_torch
 from cp_core.recurrent_backends import document_index, fla_varlen_kwargs
 
 CASES = [[1], [64], [65], [37, 64, 90, 1], [128, 3, 200, 64, 5]]
@@ -85,3 +88,40 @@ def test_row_bounds_on_the_meta_device():
     row = build_row_bounds((4, 4), (4, 4, 8), "meta")
     assert row.device.type == "meta" and row.local.cu_seqlens.device.type == "meta"
     assert row.local.cu_seqlens_cpu.tolist() == [0, 4, 8] and row.row.max_seqlen == 8
+
+
+def test_prepass_segments_take_their_bounds_from_the_row(monkeypatch):
+    """The GDN pre-pass (CP) runs checkpointed segments; with a row's bounds each segment length's bounds are built
+    once, recomputation in backward included, and the result is the torch run's (the fla call is faked on CPU)."""
+    gated_delta = importlib.import_module("cp_core.gated_delta")
+    handed = []
+
+    def fake_fla(q, k, v, g, beta, *, bounds, scale, initial_state, qk_l2norm):
+        handed.append(bounds)
+        return chunk_gated_delta_rule_torch(
+            q, k, v, g, beta, seq_lens=bounds.seq_lens, scale=scale, initial_state=initial_state, qk_l2norm=qk_l2norm
+        )
+
+    gen = torch.Generator().manual_seed(0)
+    tokens, heads, dim = 150, 2, 8
+    q, k, v = (torch.randn(tokens, heads, dim, generator=gen, dtype=torch.float64) * 0.3 for _ in range(3))
+    g = -torch.rand(tokens, heads, generator=gen, dtype=torch.float64) * 0.1
+    beta = torch.rand(tokens, heads, generator=gen, dtype=torch.float64)
+    inputs = [t.requires_grad_() for t in (q, k, v, g, beta)]
+
+    def run(**kwargs):
+        state = gated_delta.prepass_summary(*inputs, with_transition=True, segment_tokens=64, **kwargs)
+        return state, torch.autograd.grad(state.square().sum(), inputs[1:])  # q does not reach the state
+
+    reference, reference_grads = run(backend="torch")
+    monkeypatch.setattr(gated_delta, "resolve_recurrent_backend", lambda *args: "fla")
+    monkeypatch.setattr(gated_delta, "_chunk_gated_delta_rule_fla", fake_fla)
+    row = build_row_bounds((tokens,), (tokens, 50), "cpu")
+    state, grads = run(backend="fla", bounds_for=row.for_lens)
+
+    # Forward, then the checkpoint's recompute (last segment first): one bounds object per segment length.
+    assert [b.seq_lens for b in handed] == [(64,), (64,), (22,), (22,), (64,), (64,)]
+    assert len({id(b) for b in handed}) == 2 and row.for_lens((64,)) is handed[0] and row.for_lens([22]) is handed[2]
+    assert torch.equal(state, reference)
+    for a, b in zip(grads, reference_grads, strict=True):
+        assert torch.equal(a, b)
