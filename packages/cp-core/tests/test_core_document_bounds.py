@@ -125,3 +125,18 @@ def test_prepass_segments_take_their_bounds_from_the_row(monkeypatch):
     assert torch.equal(state, reference)
     for a, b in zip(grads, reference_grads, strict=True):
         assert torch.equal(a, b)
+
+
+def test_rebuilt_forward_arguments_still_share_what_the_row_built():
+    """FSDP's mixed-precision input casting rebuilds every dataclass among a block's forward arguments field by
+    field: the copies of the metadata must keep sharing the row's tensors and what later layers build."""
+    from torch.distributed.utils import _apply_to_tensors
+
+    meta = build_packed_metadata([30, 50, 20, 28], cp_rank=1, cp_size=2).to("cpu")
+    copy = _apply_to_tensors(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, meta)
+    assert copy is not meta and copy.bounds is not meta.bounds
+    assert copy.bounds.local.cu_seqlens is meta.bounds.local.cu_seqlens
+    assert copy.bounds.local.chunk_indices is meta.bounds.local.chunk_indices
+    assert copy.bounds.local.seq_idx is meta.bounds.local.seq_idx  # built by the copy, kept for the original too
+    assert copy.bounds.for_lens((64,)) is meta.bounds.for_lens((64,))
+    assert copy.bounds.int32_table((0, 5)) is meta.bounds.int32_table((0, 5))

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from itertools import accumulate
+from typing import Any
 
 import torch
 
@@ -36,6 +36,20 @@ def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
+
+
+class _Memo:
+    """Values built on first use and then kept. A plain object rather than a dict or a dataclass field's value that
+    copies: code that rebuilds forward arguments field by field (FSDP's input casting re-creates dataclasses and
+    dicts) then still shares it, so every layer of the row keeps finding what the first one built."""
+
+    def __init__(self) -> None:
+        self._values: dict = {}
+
+    def get(self, key, build: Callable[[], Any]) -> Any:
+        if key not in self._values:
+            self._values[key] = build()
+        return self._values[key]
 
 
 def chunk_indices_from_lens(seq_lens: Sequence[int], chunk_size: int = FLA_CHUNK) -> torch.Tensor:
@@ -62,18 +76,23 @@ class DocumentBounds:
     """int32 [docs + 1] on ``device`` (varlen attention, flash-attn)."""
     chunk_indices: torch.Tensor
     """int64 [chunks, 2] on ``device``: fla's chunk indices for :data:`FLA_CHUNK`."""
+    _memo: _Memo = field(default_factory=_Memo, compare=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
         return int(self.cu_seqlens_cpu[-1])
 
-    @cached_property
+    @property
     def seq_idx(self) -> torch.Tensor:
         """int32 [1, T] on ``device``: each token's document (mamba-ssm's and causal-conv1d's ``seq_idx``); built
         on first use, once."""
-        lens = torch.tensor(self.seq_lens, dtype=torch.int64)
-        docs = torch.repeat_interleave(torch.arange(len(self.seq_lens), dtype=torch.int32), lens)
-        return to_device(docs, self.device)[None]
+
+        def build() -> torch.Tensor:
+            lens = torch.tensor(self.seq_lens, dtype=torch.int64)
+            docs = torch.repeat_interleave(torch.arange(len(self.seq_lens), dtype=torch.int32), lens)
+            return to_device(docs, self.device)[None]
+
+        return self._memo.get("seq_idx", build)
 
     def fla_kwargs(self, chunk_indices: bool = True) -> dict[str, torch.Tensor]:
         """fla's varlen arguments: ``cu_seqlens``, its CPU copy and (for the kernels that take them) the chunk
@@ -110,7 +129,7 @@ class RowBounds:
 
     local: DocumentBounds
     row: DocumentBounds
-    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+    _cache: _Memo = field(default_factory=_Memo, compare=False, repr=False)
 
     @property
     def device(self) -> torch.device:
@@ -123,18 +142,15 @@ class RowBounds:
             return self.local
         if lens == self.row.seq_lens:
             return self.row
-        return self._cached(("bounds", lens), lambda: build_document_bounds(lens, self.device))
+        return self._cache.get(("bounds", lens), lambda: build_document_bounds(lens, self.device))
 
     def int32_table(self, values: Sequence[int]) -> torch.Tensor:
         """``values`` as an int32 tensor on the device (attention's per-stretch ``cu_q`` / ``cu_k``), copied once
         per row."""
         values = tuple(values)
-        return self._cached(("int32", values), lambda: to_device(torch.tensor(values, dtype=torch.int32), self.device))
-
-    def _cached(self, key, build: Callable):
-        if key not in self._cache:
-            self._cache[key] = build()
-        return self._cache[key]
+        return self._cache.get(
+            ("int32", values), lambda: to_device(torch.tensor(values, dtype=torch.int32), self.device)
+        )
 
 
 def build_row_bounds(local_seq_lens: Sequence[int], seq_lens: Sequence[int], device: torch.device | str) -> RowBounds:
