@@ -39,9 +39,9 @@ def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 
 
 class _Memo:
-    """Values built on first use and then kept. A plain object rather than a dict or a dataclass field's value that
-    copies: code that rebuilds forward arguments field by field (FSDP's input casting re-creates dataclasses and
-    dicts) then still shares it, so every layer of the row keeps finding what the first one built."""
+    """Values built on first use and then kept. A plain object, not a dict or a dataclass: code that rebuilds
+    forward arguments container by container (FSDP's input casting re-creates dataclasses and dicts) passes it on as
+    it is, so every copy of a row's metadata shares what the first layer built."""
 
     def __init__(self) -> None:
         self._values: dict = {}
