@@ -367,7 +367,8 @@ def test_metadata_to_device():
         assert tensor.device.type == "meta", name
         assert tensor.shape == getattr(meta, name).shape and tensor.dtype == getattr(meta, name).dtype
         assert getattr(meta, name).device.type == "cpu"  # the original is untouched
-    host_fields = [f for f in PackedRowMetadata.__dataclass_fields__ if f not in TENSOR_FIELDS]
+    assert meta.bounds is None and moved.bounds.device.type == "meta" and same.bounds.device.type == "cpu"
+    host_fields = [f for f in PackedRowMetadata.__dataclass_fields__ if f not in (*TENSOR_FIELDS, "bounds")]
     assert len(host_fields) == 15
     for name in host_fields:
         assert getattr(moved, name) == getattr(meta, name), name

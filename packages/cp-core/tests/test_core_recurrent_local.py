@@ -162,6 +162,17 @@ def test_ssd_without_cp_is_the_local_run():
     assert torch.equal(y, y_ref)
 
 
+def test_ssd_last_final_state_only():
+    seq_lens = LAYOUTS["mixed"]
+    inputs = ssd_inputs(seq_lens, seed=6)
+    y, finals = ssd(**inputs, seq_lens=seq_lens, backend="torch")
+    y_last, last = ssd(**inputs, seq_lens=seq_lens, backend="torch", final_states="last")
+    assert len(seq_lens) > 1 and last.shape == (1, *finals.shape[1:])
+    assert torch.equal(y_last, y) and torch.equal(last, finals[-1:])
+    with pytest.raises(ContextParallelError, match="final_states must be 'all' or 'last', got 'first'"):
+        ssd(**inputs, seq_lens=seq_lens, backend="torch", final_states="first")
+
+
 # --------------------------------------------------------------------------------------------------------
 # Gated delta rule
 

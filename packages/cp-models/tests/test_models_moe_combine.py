@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from transformers import NemotronHConfig, Qwen3_5MoeTextConfig
 
 from cp_core.testing import relative_l2
-from cp_models.feed_forward import combine_expert_outputs
+from cp_models.feed_forward import combine_expert_outputs, expert_slot_groups, sort_by_expert
 from cp_models.nemotron_h import NemotronHExperts
 from cp_models.qwen3_5 import Qwen35Experts
 
@@ -73,3 +73,43 @@ def test_grouped_expert_path_matches_the_loop(build):
         results.append([out, *torch.autograd.grad((out * upstream).sum(), inputs)])
     for a, b in zip(*results, strict=True):
         assert relative_l2(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("build", [_qwen_experts, _nemotron_experts], ids=["qwen3_5", "nemotron_h"])
+def test_expert_loop_groups_tokens_as_unique_and_where(build):
+    """The loop takes each expert's tokens from one sort and one host read of the counts: the same (token, slot)
+    groups in the same order as ``torch.where(experts == e)`` per used expert, so the same sums bit for bit."""
+    experts_module, hidden = build()
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in experts_module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    tokens = 31
+    experts = torch.rand(tokens, 6, generator=gen).argsort(-1)[:, :3]
+    experts[experts == 5] = 0  # expert 5 receives nothing
+    groups = list(expert_slot_groups(experts, 6))
+    assert [e for e, _, _ in groups] == experts.unique().tolist()
+    for e, token, slot in groups:
+        where_token, where_slot = torch.where(experts == e)
+        assert torch.equal(token, where_token) and torch.equal(slot, where_slot)
+    order, counts = sort_by_expert(experts, 6)
+    assert torch.equal(order, experts.reshape(-1).argsort(stable=True))
+    assert torch.equal(counts, torch.bincount(experts.reshape(-1), minlength=6))
+
+    x = torch.randn(tokens, hidden, generator=gen, dtype=torch.float64)
+    weights = torch.rand(tokens, 3, generator=gen, dtype=torch.float64).softmax(-1)
+    experts_module.double()
+    out = torch.zeros_like(x)  # the loop as it read the experts with unique() and torch.where()
+    for e in experts.unique().tolist():
+        token, slot = torch.where(experts == e)
+        w = weights[token, slot, None]
+        if isinstance(experts_module, Qwen35Experts):
+            gate, up = F.linear(x[token], experts_module.gate_up_proj[e]).chunk(2, dim=-1)
+            h = F.linear(F.silu(gate) * up, experts_module.down_proj[e]) * w
+        else:
+            h = F.linear(
+                experts_module.act_fn(F.linear(x[token], experts_module.up_proj[e])), experts_module.down_proj[e]
+            )
+            h = h * w
+        out.index_add_(0, token, h.to(out.dtype))
+    assert torch.equal(experts_module._looped(x, experts, weights), out)

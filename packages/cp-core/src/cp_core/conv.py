@@ -16,9 +16,10 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from cp_core.document_bounds import DocumentBounds, build_document_bounds
 from cp_core.errors import ContextParallelError
 from cp_core.packing import PackedRowMetadata, position_ids_from_seq_lens
-from cp_core.recurrent_backends import RecurrentBackend, document_index, fla_varlen_kwargs, resolve_recurrent_backend
+from cp_core.recurrent_backends import RecurrentBackend, resolve_recurrent_backend
 from cp_core.sharding import exchange_p2p
 from cp_core.topology import CPTopology
 
@@ -92,8 +93,12 @@ def causal_conv1d_torch(
     return _activate(y, activation)
 
 
-def _fla_causal_conv1d(x, weight, bias, activation, seq_lens, halo, tokens_before):
+def _fla_causal_conv1d(
+    x, weight, bias, activation, seq_lens, halo, tokens_before, bounds: DocumentBounds | None = None
+):
     from fla.modules.causal_conv1d import causal_conv1d
+
+    bounds = bounds if bounds is not None else build_document_bounds(seq_lens, x.device)
 
     width = weight.size(1)
     initial = None
@@ -108,14 +113,18 @@ def _fla_causal_conv1d(x, weight, bias, activation, seq_lens, halo, tokens_befor
         bias=bias,
         activation=activation,
         initial_state=initial,
-        **fla_varlen_kwargs(seq_lens, x.device),
+        **bounds.fla_kwargs(),
     )
     return y.squeeze(0)
 
 
-def _mamba_causal_conv1d(x, weight, bias, activation, seq_lens, halo, tokens_before):
+def _mamba_causal_conv1d(
+    x, weight, bias, activation, seq_lens, halo, tokens_before, bounds: DocumentBounds | None = None
+):
     """causal-conv1d's CUDA kernel, channel-last (the layout its ``seq_idx`` and ``initial_states`` need)."""
     from causal_conv1d import causal_conv1d_fn
+
+    bounds = bounds if bounds is not None else build_document_bounds(seq_lens, x.device)
 
     width, dim = weight.size(1), x.size(1)
     if not 2 <= width <= 4 or dim % 8:
@@ -131,19 +140,20 @@ def _mamba_causal_conv1d(x, weight, bias, activation, seq_lens, halo, tokens_bef
         x.t()[None],  # [1, D, T] with stride 1 along D: channel-last
         weight.to(x.dtype),
         bias.to(x.dtype) if bias is not None else None,
-        seq_idx=document_index(seq_lens, x.device),
+        seq_idx=bounds.seq_idx,
         initial_states=initial,
         activation=activation,
     )
     return y[0].t()
 
 
-def _kernel_conv(kernel, x, weight, bias, activation, seq_lens, halo, tokens_before, positions):
-    if kernel == "fla":
-        return _fla_causal_conv1d(x, weight, bias, activation, seq_lens, halo, tokens_before)
-    if kernel == "mamba_ssm":
-        return _mamba_causal_conv1d(x, weight, bias, activation, seq_lens, halo, tokens_before)
-    return causal_conv1d_torch(x, weight, bias, activation, positions, halo)
+def _kernel_conv(kernel, x, weight, bias, activation, seq_lens, halo, tokens_before, positions, bounds=None):
+    """The conv on ``kernel``; ``bounds`` (the documents' kernel boundaries on x's device) are built when not
+    given."""
+    if kernel == "torch":
+        return causal_conv1d_torch(x, weight, bias, activation, positions, halo)
+    run = _fla_causal_conv1d if kernel == "fla" else _mamba_causal_conv1d
+    return run(x, weight, bias, activation, seq_lens, halo, tokens_before, bounds)
 
 
 def causal_conv1d(
@@ -154,13 +164,15 @@ def causal_conv1d(
     *,
     seq_lens: Sequence[int],
     backend: RecurrentBackend = "auto",
+    bounds: DocumentBounds | None = None,
 ) -> torch.Tensor:
-    """Causal depthwise conv over local documents ``seq_lens`` (no CP)."""
+    """Causal depthwise conv over local documents ``seq_lens`` (no CP). ``bounds``: their kernel boundaries on x's
+    device, when the caller holds them (a layer: its row's :class:`~cp_core.document_bounds.RowBounds`)."""
     _check(x, weight, bias, activation)
     _check_lens(x, seq_lens)
     kernel = resolve_recurrent_backend(backend, x, "conv")
     positions = position_ids_from_seq_lens(seq_lens) if kernel == "torch" else None
-    return _kernel_conv(kernel, x, weight, bias, activation, seq_lens, None, 0, positions)
+    return _kernel_conv(kernel, x, weight, bias, activation, seq_lens, None, 0, positions, bounds)
 
 
 def _needs_halo(metadata: PackedRowMetadata, rank: int) -> bool:
@@ -223,6 +235,7 @@ def causal_conv1d_cp(
     width = weight.size(1)
     halo = exchange_halo(x, width - 1, metadata, topology) if topology.enabled and width > 1 else None
     kernel = resolve_recurrent_backend(backend, x, "conv")
+    bounds = None if kernel == "torch" else metadata.kernel_bounds(x.device).local
     return _kernel_conv(
         kernel,
         x,
@@ -233,4 +246,5 @@ def causal_conv1d_cp(
         halo,
         metadata.first_doc_tokens_before,
         metadata.local_position_ids,
+        bounds,
     )

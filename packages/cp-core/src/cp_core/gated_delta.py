@@ -18,16 +18,17 @@ and the main pass starts from it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.utils.checkpoint
 
 from cp_core.chunking import build_chunk_layout
+from cp_core.document_bounds import FLA_CHUNK, DocumentBounds, build_document_bounds
 from cp_core.errors import ContextParallelError
 from cp_core.numerics import upcast
 from cp_core.packing import PackedRowMetadata
-from cp_core.recurrent_backends import RecurrentBackend, fla_varlen_kwargs, resolve_recurrent_backend
+from cp_core.recurrent_backends import RecurrentBackend, resolve_recurrent_backend
 from cp_core.state_passing import pass_states
 from cp_core.topology import CPTopology
 
@@ -160,7 +161,7 @@ def chunk_gated_delta_rule_torch(
     return o.to(out_dtype), torch.stack(finals)
 
 
-def _chunk_gated_delta_rule_fla(q, k, v, g, beta, *, seq_lens, scale, initial_state, qk_l2norm):
+def _chunk_gated_delta_rule_fla(q, k, v, g, beta, *, bounds: DocumentBounds, scale, initial_state, qk_l2norm):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     o, final = chunk_gated_delta_rule(
@@ -173,7 +174,7 @@ def _chunk_gated_delta_rule_fla(q, k, v, g, beta, *, seq_lens, scale, initial_st
         initial_state=initial_state,
         output_final_state=True,
         use_qk_l2norm_in_kernel=qk_l2norm,
-        **fla_varlen_kwargs(seq_lens, q.device),
+        **bounds.fla_kwargs(),
     )
     return o.squeeze(0), final
 
@@ -190,12 +191,16 @@ def gated_delta_rule(
     initial_state: torch.Tensor | None = None,
     qk_l2norm: bool = False,
     backend: RecurrentBackend = "auto",
+    bounds: DocumentBounds | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gated delta rule over local documents ``seq_lens`` with the chosen backend (no CP)."""
+    """Gated delta rule over local documents ``seq_lens`` with the chosen backend (no CP). ``bounds``: their kernel
+    boundaries on q's device, when the caller holds them (a layer: its row's
+    :class:`~cp_core.document_bounds.RowBounds`)."""
     _check(q, k, v, g, beta, seq_lens, initial_state)
     if resolve_recurrent_backend(backend, q, "gated_delta") == "fla":
+        bounds = bounds if bounds is not None else build_document_bounds(seq_lens, q.device)
         return _chunk_gated_delta_rule_fla(
-            q, k, v, g, beta, seq_lens=seq_lens, scale=scale, initial_state=initial_state, qk_l2norm=qk_l2norm
+            q, k, v, g, beta, bounds=bounds, scale=scale, initial_state=initial_state, qk_l2norm=qk_l2norm
         )
     return chunk_gated_delta_rule_torch(
         q, k, v, g, beta, seq_lens=seq_lens, scale=scale, initial_state=initial_state, qk_l2norm=qk_l2norm
@@ -208,7 +213,7 @@ def gated_delta_rule(
 # 0.8B at 256k / cp 4 peaked 3.3 GiB above 128k / cp 2. On the fla path its inputs are tensors the main kernel
 # keeps as well (see gated_delta_rule_cp), so only g is its own.
 PREPASS_SEGMENT_TOKENS = 16384
-_FLA_CHUNK = 64  # fla's and chunk_gated_delta_rule_torch's chunk: segments cut on its grid
+_FLA_CHUNK = FLA_CHUNK  # fla's and chunk_gated_delta_rule_torch's chunk: segments cut on its grid
 
 
 def _l2norm_autograd(x: torch.Tensor, backend: str) -> torch.Tensor:
@@ -241,6 +246,7 @@ def prepass_summary(
     qk_l2norm: bool = False,
     backend: RecurrentBackend = "auto",
     segment_tokens: int | None = PREPASS_SEGMENT_TOKENS,
+    bounds_for: Callable[[Sequence[int]], DocumentBounds] | None = None,
 ) -> torch.Tensor:
     """The final state of one document stretch from a zero state, ``[Hv, K, V]`` (at least fp32); with
     ``with_transition`` also its transition ``M``: ``[Hv, K, V + K]`` = ``[S_ext | M]``, from the same recurrence
@@ -248,7 +254,8 @@ def prepass_summary(
 
     With gradients on and ``segment_tokens`` set, runs in activation-checkpointed segments of that many tokens,
     carrying the state: it keeps one state per segment for backward instead of its activations, for one more
-    forward of itself.
+    forward of itself. ``bounds_for`` gives a segment's kernel boundaries (a row's
+    :meth:`~cp_core.document_bounds.RowBounds.for_lens`, built once per row); without it they are built per call.
     """
     _check_segment_tokens(segment_tokens)
     heads, dk, dv = v.size(1), q.size(2), v.size(2)
@@ -261,9 +268,10 @@ def prepass_summary(
         if with_transition:
             v_s = torch.cat([v_s, v_s.new_zeros(v_s.size(0), heads, dk)], dim=-1)
         initial = None if state is None else state[None]
+        lens = (v_s.size(0),)
         _, final = gated_delta_rule(
-            q_s, k_s, v_s, g_s, beta_s, seq_lens=[v_s.size(0)], scale=scale, initial_state=initial,
-            qk_l2norm=qk_l2norm, backend=backend,
+            q_s, k_s, v_s, g_s, beta_s, seq_lens=lens, scale=scale, initial_state=initial, qk_l2norm=qk_l2norm,
+            backend=backend, bounds=bounds_for(lens) if bounds_for is not None else None,
         )  # fmt: skip
         return final[0]
 
@@ -310,15 +318,19 @@ def gated_delta_rule_cp(
         )
     lens = metadata.local_seq_lens
     _check(q, k, v, g, beta, lens, None)
+    backend = resolve_recurrent_backend(backend, q, "gated_delta")
+    row = metadata.kernel_bounds(q.device) if backend == "fla" else None  # built once per row, shared by the layers
+    bounds = row.local if row is not None else None
     if not topology.enabled:
-        return gated_delta_rule(q, k, v, g, beta, seq_lens=lens, scale=scale, qk_l2norm=qk_l2norm, backend=backend)[0]
+        return gated_delta_rule(
+            q, k, v, g, beta, seq_lens=lens, scale=scale, qk_l2norm=qk_l2norm, backend=backend, bounds=bounds
+        )[0]
     # The pre-pass reads q, k and v again after the main pass's kernel has taken its own copies (fla normalizes q
     # and k and copies a non-contiguous v): its checkpoint would keep the originals, in Qwen3.5 views of the whole
     # conv output. On the fla path both passes read the normalized q, k and a contiguous v instead, the very
     # tensors fla's kernel keeps, so the pre-pass keeps nothing of its own but g. The same kernels run; where the
     # pre-pass also contributes to dq / dk, the two contributions now meet before the normalization's backward
     # (a rounding difference). The torch path keeps its own chunked copies either way: v stays as it is.
-    backend = resolve_recurrent_backend(backend, q, "gated_delta")
     if qk_l2norm:
         q, k = _l2norm_autograd(q, backend), _l2norm_autograd(k, backend)
     if backend == "fla":
@@ -334,11 +346,11 @@ def gated_delta_rule_cp(
         tail = slice(metadata.local_len - lens[-1], None)
         summary = prepass_summary(
             q[tail], k[tail], v[tail], g[tail], beta[tail], with_transition=through, scale=scale, backend=backend,
-            segment_tokens=prepass_segment_tokens,
+            segment_tokens=prepass_segment_tokens, bounds_for=row.for_lens if row is not None else None,
         )  # fmt: skip
         final_state = summary[..., :dv].to(state_dtype)
         if through:
             transition = summary[..., dv:].to(state_dtype)
     first_state = pass_states(final_state, transition, metadata, topology, "matrix", anchor=q)
     initial = torch.cat([first_state[None], first_state.new_zeros(len(lens) - 1, heads, dk, dv)])
-    return run(q, k, v, g, beta, seq_lens=lens, initial_state=initial)[0]
+    return run(q, k, v, g, beta, seq_lens=lens, initial_state=initial, bounds=bounds)[0]

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cp_core.document_bounds import RowBounds
 from cp_core.errors import ContextParallelError
 from cp_core.packing import PackedRowMetadata
 from cp_core.sharding import all_gather_rows, exchange_p2p, reduce_scatter_rows
@@ -217,12 +218,24 @@ def balanced_stretches(
     return whole, None
 
 
-def _attend_stretch(q, keys, values, stretch: QueryStretch, scale, sliding_window, backend) -> torch.Tensor:
+def stretch_bounds(stretch: QueryStretch) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``cu_q`` and ``cu_k`` of a stretch as host ints: its pieces' offsets, and the keys' (the first piece's keys
+    begin ``keys_before`` earlier)."""
+    cu_q = tuple(itertools.accumulate(stretch.seq_lens, initial=0))
+    return cu_q, (0, *(end + stretch.keys_before for end in cu_q[1:]))
+
+
+def _attend_stretch(
+    q, keys, values, stretch: QueryStretch, scale, sliding_window, backend, row: RowBounds | None = None
+) -> torch.Tensor:
     """``q`` ([stretch tokens, Hq, D]) against its keys (per-KV-head views from ``stretch.key_start``): varlen
-    attention whose key ranges end where the query ranges end (bottom-right alignment)."""
-    lens = torch.tensor((0, *stretch.seq_lens), dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    cu_q = lens.to(device=q.device, non_blocking=True)  # once per stretch, not once per head
-    cu_k = cu_q + torch.cat([cu_q.new_zeros(1), cu_q.new_full((cu_q.numel() - 1,), stretch.keys_before)])
+    attention whose key ranges end where the query ranges end (bottom-right alignment). ``row``: the row's kernel
+    bounds, which copy each stretch's bounds to the device once per row (else once per call)."""
+    bounds = stretch_bounds(stretch)
+    if row is not None:
+        cu_q, cu_k = (row.int32_table(b) for b in bounds)
+    else:
+        cu_q, cu_k = (torch.tensor(b, dtype=torch.int32).to(q.device, non_blocking=True) for b in bounds)
     max_q = max(stretch.seq_lens)
     max_k = max(max_q, stretch.seq_lens[0] + stretch.keys_before)
     # One call per query head against its KV head: flash-attn 2's backward under grouped-query attention would
@@ -277,10 +290,11 @@ def kv_gather_attention(
     heads, per_range = k.size(1), 2 * k.size(1)
     queries = [q] if partner is None else [q[:half], gathered[-1]]
     outputs = []
+    row = metadata.kernel_bounds(q.device)
     for index, (stretch, q_stretch) in enumerate(zip(stretches, queries, strict=True)):
         views = gathered[index * per_range : (index + 1) * per_range]
         outputs.append(
-            _attend_stretch(q_stretch, views[:heads], views[heads:], stretch, scale, sliding_window, backend)
+            _attend_stretch(q_stretch, views[:heads], views[heads:], stretch, scale, sliding_window, backend, row)
         )
     if partner is None:
         return outputs[0]

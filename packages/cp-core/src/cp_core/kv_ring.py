@@ -37,6 +37,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from cp_core.document_bounds import RowBounds
 from cp_core.errors import ContextParallelError
 from cp_core.kv_ring_kernels import (
     FLASH_KERNELS,
@@ -92,10 +93,15 @@ def _wait(pending) -> list[torch.Tensor]:
     return received
 
 
-def _bounds(plan: RingPlan, device: torch.device) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+def _bounds(
+    plan: RingPlan, device: torch.device, row: RowBounds | None = None
+) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """Each call's ``cu_q`` and ``cu_k`` (int32), step by step: views of the plan's table, moved to ``device`` in
-    one copy."""
-    table = torch.tensor(plan.bound_table, dtype=torch.int32).to(device, non_blocking=True)
+    one copy (with the row's kernel bounds ``row``, once per row for all layers)."""
+    if row is not None:
+        table = row.int32_table(plan.bound_table)
+    else:
+        table = torch.tensor(plan.bound_table, dtype=torch.int32).to(device, non_blocking=True)
     bounds = []
     for calls, starts in zip(plan.calls, plan.bound_starts, strict=True):
         bounds.append([])
@@ -116,10 +122,10 @@ def _swap_second_half(x: torch.Tensor, partner: int | None, topology: CPTopology
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: RingPlan, topology: CPTopology, scale: float, kernels: BlockKernels):
+    def forward(ctx, q, k, v, plan: RingPlan, topology: CPTopology, scale: float, kernels: BlockKernels, row=None):
         cp, rank = topology.size, topology.rank
         queries = _swap_second_half(q, plan.partner, topology).contiguous()
-        bounds = _bounds(plan, torch.device("cpu") if kernels.on_host else q.device)
+        bounds = _bounds(plan, torch.device("cpu"), None) if kernels.on_host else _bounds(plan, q.device, row)
         compute = torch.promote_types(q.dtype, torch.float32)
         out = q.new_zeros((*queries.shape[:2], v.size(2)), dtype=compute)
         lse = q.new_full((q.size(1), q.size(0)), float("-inf"), dtype=compute)
@@ -181,7 +187,7 @@ class _RingAttention(torch.autograd.Function):
         if plan.hops:  # this rank holds block (rank - hops)'s gradients: back to their owner
             dblock = _wait(_shift(dblock, (rank - plan.hops) % cp, (rank + plan.hops) % cp, topology))
         dq = _swap_second_half(dq.to(queries.dtype), plan.partner, topology)
-        return dq, dblock[0], dblock[1], None, None, None, None
+        return dq, dblock[0], dblock[1], None, None, None, None, None
 
 
 def kv_ring_attention(
@@ -217,4 +223,5 @@ def kv_ring_attention(
     kernels = resolve_ring_kernels(backend, q, v)
     plan = ring_plan(metadata.seq_lens, topology.size, topology.rank, balance)
     scale = q.size(-1) ** -0.5 if scale is None else scale
-    return _RingAttention.apply(q, k, v, plan, topology, scale, kernels)
+    row = None if kernels.on_host else metadata.kernel_bounds(q.device)
+    return _RingAttention.apply(q, k, v, plan, topology, scale, kernels, row)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import accumulate
 
 import torch
 
+from cp_core.document_bounds import RowBounds, build_row_bounds, to_device
 from cp_core.errors import ContextParallelError
 
 SeqLens = Sequence[int] | torch.Tensor
@@ -115,6 +116,8 @@ class PackedRowMetadata:
     """Position of each token of the shard inside its document, int64 [S_local]."""
     doc_start_rank_by_rank: tuple[int, ...]
     """For every rank ``j``: the rank where rank ``j``'s first document began (needed to chain states)."""
+    bounds: RowBounds | None = field(default=None, compare=False, repr=False)
+    """The row's kernel boundaries on the device the metadata was moved to (:meth:`to`), shared by every layer."""
 
     @property
     def local_len(self) -> int:
@@ -129,12 +132,36 @@ class PackedRowMetadata:
         return len(self.local_seq_lens)
 
     def to(self, device: torch.device | str) -> PackedRowMetadata:
-        """Copy of this metadata with its tensors on ``device`` (asynchronous host-to-device copies)."""
-        move = {
-            name: getattr(self, name).to(device, non_blocking=True)
-            for name in ("cu_seqlens", "local_cu_seqlens", "local_doc_ids", "local_position_ids")
-        }
-        return replace(self, **move)
+        """Copy of this metadata with its tensors on ``device`` and the row's kernel boundaries built there
+        (:class:`cp_core.document_bounds.RowBounds`): one call per row, host-to-device copies from pinned memory
+        that do not wait for the stream."""
+        bounds = build_row_bounds(self.local_seq_lens, self.seq_lens, device)
+        return replace(
+            self,
+            cu_seqlens=bounds.row.cu_seqlens_int32,
+            local_cu_seqlens=bounds.local.cu_seqlens_int32,
+            local_doc_ids=to_device(self.local_doc_ids, device),
+            local_position_ids=to_device(self.local_position_ids, device),
+            bounds=bounds,
+        )
+
+    def kernel_bounds(self, device: torch.device | str) -> RowBounds:
+        """The row's kernel boundaries on ``device``: those built by :meth:`to` when they are there, else built now
+        (for direct callers that pass host metadata; a layer of a model always finds them built)."""
+        device = torch.device(device)
+        if self.bounds is not None and _same_device(self.bounds.device, device):
+            return self.bounds
+        return build_row_bounds(self.local_seq_lens, self.seq_lens, device)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` and ``cuda:<current>`` name the same device."""
+    if a.type != b.type:
+        return False
+    if a.index is None or b.index is None:
+        current = torch.cuda.current_device() if a.type == "cuda" else 0
+        return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+    return a.index == b.index
 
 
 def build_packed_metadata(

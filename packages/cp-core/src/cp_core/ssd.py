@@ -18,14 +18,16 @@ the first document's outputs get the exact correction ``exp(sum_{i<=t} a_i) S0 C
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 
 from cp_core.chunking import build_chunk_layout
+from cp_core.document_bounds import DocumentBounds, build_document_bounds
 from cp_core.errors import ContextParallelError
 from cp_core.numerics import upcast
 from cp_core.packing import PackedRowMetadata
-from cp_core.recurrent_backends import RecurrentBackend, document_index, fla_varlen_kwargs, resolve_recurrent_backend
+from cp_core.recurrent_backends import RecurrentBackend, resolve_recurrent_backend
 from cp_core.state_passing import pass_states
 from cp_core.topology import CPTopology
 
@@ -131,7 +133,7 @@ def chunk_ssd_torch(
     return y.to(out_dtype), torch.stack(finals)
 
 
-def _ssd_fla(x, dt, A, B, C, *, seq_lens, D, initial_state):
+def _ssd_fla(x, dt, A, B, C, *, bounds: DocumentBounds, D, initial_state):
     from fla.ops.simple_gla import chunk_simple_gla
 
     heads = x.size(1)
@@ -144,7 +146,9 @@ def _ssd_fla(x, dt, A, B, C, *, seq_lens, D, initial_state):
         scale=1.0,
         initial_state=init,
         output_final_state=True,
-        **fla_varlen_kwargs(seq_lens, x.device),
+        # chunk_simple_gla builds its chunk indices itself, through a cache keyed on these tensors' identity: the
+        # row's bounds, the same objects in every layer, make that once per row.
+        **bounds.fla_kwargs(chunk_indices=False),
     )
     y = y.squeeze(0)
     if D is not None:
@@ -180,11 +184,12 @@ def _with_initial_states(y, finals, log_decay, C, seq_lens, initial_state):
     return torch.cat(pieces), torch.stack(new_finals)
 
 
-def _ssd_mamba(x, dt, A, B, C, *, seq_lens, D, initial_state):
+def _ssd_mamba(x, dt, A, B, C, *, bounds: DocumentBounds, D, initial_state, all_finals: bool = True):
     from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 
     # From zero state: the kernel's final state (with gradient) is the last document's; mamba-ssm's per-document
-    # states have no backward, so the earlier documents' finals come from their closed form.
+    # states have no backward, so the earlier documents' finals come from their closed form (a few kernels per
+    # document, skipped when only the last final is asked for).
     y, last = mamba_chunk_scan_combined(
         x[None],
         dt[None],
@@ -193,13 +198,15 @@ def _ssd_mamba(x, dt, A, B, C, *, seq_lens, D, initial_state):
         C[None],
         chunk_size=MAMBA_CHUNK,
         D=D.float() if D is not None else None,
-        seq_idx=document_index(seq_lens, x.device),
+        seq_idx=bounds.seq_idx,
         return_final_states=True,
     )
     y = y[0]
     log_decay = upcast(dt) * upcast(A)
+    seq_lens = bounds.seq_lens
+    earlier = seq_lens[:-1] if all_finals or initial_state is not None else ()
     finals, offset = [], 0
-    for length in seq_lens[:-1]:
+    for length in earlier:
         span = slice(offset, offset + length)
         cum = log_decay[span].cumsum(0)
         weight = (cum[-1] - cum).exp() * upcast(dt[span])  # [L, H]: decay to the document's end, times dt
@@ -222,15 +229,28 @@ def ssd(
     D: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
     backend: RecurrentBackend = "auto",
+    bounds: DocumentBounds | None = None,
+    final_states: Literal["all", "last"] = "all",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SSD over local documents with the chosen backend (no CP)."""
+    """SSD over local documents with the chosen backend (no CP). ``bounds``: their kernel boundaries on x's device,
+    when the caller holds them (a layer: its row's :class:`~cp_core.document_bounds.RowBounds`).
+    ``final_states="last"`` returns only the last document's final state (``[1, H, P, N]``), which spares the
+    mamba-ssm path its per-document closed forms."""
     _check(x, dt, A, B, C, D, seq_lens, initial_state)
+    if final_states not in ("all", "last"):
+        raise ContextParallelError(f"final_states must be 'all' or 'last', got {final_states!r}")
     kernel = resolve_recurrent_backend(backend, x, "ssd")
-    if kernel == "fla":
-        return _ssd_fla(x, dt, A, B, C, seq_lens=seq_lens, D=D, initial_state=initial_state)
     if kernel == "mamba_ssm":
-        return _ssd_mamba(x, dt, A, B, C, seq_lens=seq_lens, D=D, initial_state=initial_state)
-    return chunk_ssd_torch(x, dt, A, B, C, seq_lens=seq_lens, D=D, initial_state=initial_state)
+        bounds = bounds if bounds is not None else build_document_bounds(seq_lens, x.device)
+        y, finals = _ssd_mamba(
+            x, dt, A, B, C, bounds=bounds, D=D, initial_state=initial_state, all_finals=final_states == "all"
+        )
+    elif kernel == "fla":
+        bounds = bounds if bounds is not None else build_document_bounds(seq_lens, x.device)
+        y, finals = _ssd_fla(x, dt, A, B, C, bounds=bounds, D=D, initial_state=initial_state)
+    else:
+        y, finals = chunk_ssd_torch(x, dt, A, B, C, seq_lens=seq_lens, D=D, initial_state=initial_state)
+    return y, finals if final_states == "all" else finals[-1:]
 
 
 def ssd_cp(
@@ -255,7 +275,9 @@ def ssd_cp(
             f"of cp={metadata.cp_size})"
         )
     lens = metadata.local_seq_lens
-    y, finals = ssd(x, dt, A, B, C, seq_lens=lens, D=D, backend=backend)
+    kernel = resolve_recurrent_backend(backend, x, "ssd")
+    bounds = None if kernel == "torch" else metadata.kernel_bounds(x.device).local  # once per row, every layer
+    y, finals = ssd(x, dt, A, B, C, seq_lens=lens, D=D, backend=kernel, bounds=bounds, final_states="last")
     if not topology.enabled:
         return y
     log_decay = upcast(dt) * upcast(A)  # [T, H]

@@ -32,6 +32,28 @@ class _WeightedSlotSum(torch.autograd.Function):
         return grad_slots, grad_weights, None
 
 
+def sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order, counts)``: the permutation that sorts the flat [T * k] slots of ``experts`` [T, k] by expert (stable:
+    each expert's slots in token order) and each expert's slot count ([num_experts] int64). Counted by a scatter
+    rather than ``torch.bincount``, which reads the largest expert id to the host on CUDA."""
+    flat = experts.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
+    return flat.argsort(stable=True), counts
+
+
+def expert_slot_groups(experts: torch.Tensor, num_experts: int):
+    """Per expert that received tokens: ``(expert, tokens, slots)``, the tokens in order and their top-k slot, as
+    ``torch.where(experts == expert)`` gives them, from one host read of the counts (not one per expert)."""
+    order, counts = sort_by_expert(experts, num_experts)
+    top_k, start = experts.size(1), 0
+    for expert, count in enumerate(counts.tolist()):  # the one host sync of a looped MoE layer
+        if count:
+            picked = order[start : start + count]
+            yield expert, picked // top_k, picked % top_k
+            start += count
+
+
 def combine_expert_outputs(
     sorted_outputs: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:

@@ -47,7 +47,7 @@ from cp_core import (
 from cp_core.head_parallel import check_head_parallel, fused_sequence_to_heads, local_groups, local_heads
 from cp_core.numerics import upcast
 from cp_models.context_parallel import ContextParallelAttention, ContextParallelModule
-from cp_models.feed_forward import combine_expert_outputs, squared_relu_linear
+from cp_models.feed_forward import combine_expert_outputs, expert_slot_groups, sort_by_expert, squared_relu_linear
 from cp_models.hf_checkpoint import load_hf_checkpoint, strip_prefixes, unwrapped_names, write_safetensors
 from cp_models.loss import CausalLMOutput, causal_lm_output
 from cp_models.norms import GatedRMSNorm
@@ -258,6 +258,7 @@ class NemotronHMamba2Mixer(ContextParallelModule):
         weight = self.conv1d.weight.squeeze(1)
         bias = self.conv1d.bias
         local = torch.cat([x.reshape(s, -1), B.reshape(s, -1), C.reshape(s, -1)], dim=-1)
+        bounds = meta.kernel_bounds(local.device).row  # the row's, built once per forward for every layer
         # The whole row is here: a plain conv with the global document boundaries (no halo).
         local = causal_conv1d(
             local,
@@ -266,6 +267,7 @@ class NemotronHMamba2Mixer(ContextParallelModule):
             self.conv_activation,
             seq_lens=meta.seq_lens,
             backend=self.recurrent_backend,
+            bounds=bounds,
         )
         x, B, C = self._activate(local).split([local_h * p, local_g * n, local_g * n], dim=-1)
         dt, A = self._discretize(dt.reshape(s, local_h), heads)
@@ -278,6 +280,8 @@ class NemotronHMamba2Mixer(ContextParallelModule):
             seq_lens=meta.seq_lens,
             D=self.D[heads],
             backend=self.recurrent_backend,
+            bounds=bounds,
+            final_states="last",  # unused: spares mamba-ssm's path the earlier documents' closed forms
         )
         return heads_to_sequence(y, topology)
 
@@ -381,18 +385,16 @@ class NemotronHExperts(nn.Module):
         self.act_fn = _activation(config.mlp_hidden_act)
 
     def _grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        flat = experts.reshape(-1)
-        order = flat.argsort(stable=True)
+        order, counts = sort_by_expert(experts, self.num_experts)
         token = order // experts.size(1)
-        offsets = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
+        offsets = counts.cumsum(0).to(torch.int32)
         h = self.act_fn(F.grouped_mm(x[token], self.up_proj.transpose(1, 2), offs=offsets))
         h = F.grouped_mm(h, self.down_proj.transpose(1, 2), offs=offsets)
         return combine_expert_outputs(h, order, weights, x.dtype)
 
     def _looped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x, dtype=weights.dtype)
-        for e in experts.unique().tolist():
-            token, slot = torch.where(experts == e)
+        for e, token, slot in expert_slot_groups(experts, self.num_experts):
             h = F.linear(self.act_fn(F.linear(x[token], self.up_proj[e])), self.down_proj[e])
             out.index_add_(0, token, (h * weights[token, slot, None]).to(out.dtype))
         return out.to(x.dtype)

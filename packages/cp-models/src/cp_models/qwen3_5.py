@@ -30,7 +30,7 @@ from cp_core import (
     gated_delta_rule_cp,
 )
 from cp_models.context_parallel import ContextParallelAttention, ContextParallelModule
-from cp_models.feed_forward import combine_expert_outputs, swiglu_linear
+from cp_models.feed_forward import combine_expert_outputs, expert_slot_groups, sort_by_expert, swiglu_linear
 from cp_models.hf_checkpoint import load_hf_checkpoint, strip_prefixes, unwrapped_names, write_safetensors
 from cp_models.loss import CausalLMOutput, causal_lm_output
 from cp_models.norms import GatedRMSNorm, ZeroCenteredRMSNorm
@@ -244,10 +244,9 @@ class Qwen35Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, inter))
 
     def _grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        flat = experts.reshape(-1)
-        order = flat.argsort(stable=True)
+        order, counts = sort_by_expert(experts, self.num_experts)
         token = order // experts.size(1)
-        offsets = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
+        offsets = counts.cumsum(0).to(torch.int32)
         h = F.grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs=offsets)
         gate, up = h.chunk(2, dim=-1)
         h = F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
@@ -255,8 +254,7 @@ class Qwen35Experts(nn.Module):
 
     def _looped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
-        for e in experts.unique().tolist():
-            token, slot = torch.where(experts == e)
+        for e, token, slot in expert_slot_groups(experts, self.num_experts):
             gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
             h = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[token, slot, None]
             out.index_add_(0, token, h.to(x.dtype))
