@@ -36,6 +36,7 @@ from sft_trainer.data.conversations import (
     validate_messages,
 )
 from sft_trainer.data.images import VisionTokens, conversation_images
+from sft_trainer.data.render import ChatRenderer
 from sft_trainer.data.sources import conversation_column, row_messages
 
 _MIN_CHUNK_BYTES = 1 << 18
@@ -135,7 +136,10 @@ def _set_state(tokenizer: Any, image_processor: Any, options: Mapping[str, Any],
     options = dict(options)
     if options["end_of_turn"] is None:  # resolved once here, not once per row (it reads the whole vocabulary)
         options["end_of_turn"] = _default_end_of_turn(tokenizer)
-    _STATE.update(tokenizer=tokenizer, image_processor=image_processor, options=options, out_dir=out_dir)
+    renderer = ChatRenderer(tokenizer, options["chat_template_kwargs"])  # the template prepared once per process
+    _STATE.update(
+        tokenizer=tokenizer, image_processor=image_processor, options=options, out_dir=out_dir, renderer=renderer
+    )
 
 
 def image_reference(image: Any, base_dir: Path) -> tuple[int, bytes, tuple[int, int]]:
@@ -187,6 +191,7 @@ def tokenize_chunk(chunk: Chunk) -> ChunkResult:
                 base_dir=base,
                 vision_tokens=options["vision_tokens"],
                 image_paths_outside=options["image_paths_outside"],
+                renderer=_STATE["renderer"],
             )
             images = [image_reference(image, base) for _, image in conversation_images(messages)]
         except (ValueError, OSError) as exc:
