@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from sft_trainer.data.images import VisionTokens, _pad_runs, _refuse_placeholder_text, conversation_images, load_image
 from sft_trainer.data.render import ChatRenderer
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True, eq=False)
@@ -217,6 +218,8 @@ def _expand_images(
 ) -> TokenizedConversation:
     """Check the rendered placeholders against the image parts, run the images through the processor, expand
     each image's pad to its grid's token count, and zero the loss mask on every vision token."""
+    import torch
+
     if "image_pad" not in ids:  # a text tokenizer: no placeholders to check (images were refused earlier)
         return TokenizedConversation(input_ids, loss_mask)
     pad = ids["image_pad"]

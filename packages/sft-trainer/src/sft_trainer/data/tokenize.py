@@ -123,12 +123,10 @@ _STATE: dict[str, Any] = {}
 
 def _init_worker(tokenizer: Any, image_processor: Any, options: Mapping[str, Any], out_dir: str) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
-    try:
+    if image_processor is not None:  # its torch ops: one thread (text data never imports torch here)
         import torch
 
         torch.set_num_threads(1)
-    except ImportError:
-        pass
     _set_state(tokenizer, image_processor, options, out_dir)
 
 
