@@ -27,8 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-import torch.distributed as dist
-import torch.multiprocessing as mp
+# torch is imported where used: the tokenizing processes that spawn starts re-import this script as their main
 
 
 def _rss_mib(kind: str = "VmRSS") -> float:
@@ -43,6 +42,7 @@ def _rss_mib(kind: str = "VmRSS") -> float:
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
     from transformers import AutoTokenizer
 
     from sft_trainer.data import load_image_processor, tiny_tokenizer_dir
@@ -108,6 +108,8 @@ def _free_port() -> int:
 
 
 def measure(args: argparse.Namespace, out: Path) -> list[dict]:
+    import torch.multiprocessing as mp
+
     out.mkdir(parents=True, exist_ok=True)
     mp.spawn(_rank, args=(args.cp, _free_port(), args, str(out)), nprocs=args.cp, join=True)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(args.cp)]

@@ -7,11 +7,18 @@ before anything starts (:func:`build_plan`, :func:`format_plan`, :func:`estimate
 docs/architecture.md the modules.
 """
 
-from sft_trainer.cli import main
-from sft_trainer.config import ConfigError, TrainConfig, config_from_dict, load_config
-from sft_trainer.model import build_model, create_model
-from sft_trainer.parallelize import parallelize_model
-from sft_trainer.plan import build_plan, estimate_memory, format_plan
+import importlib
+from typing import Any
+
+# name -> module; imported on first use, so that a process needing one submodule (a tokenizing worker imports
+# sft_trainer.data.tokenize) does not import torch, the config and the model stack with this package
+_EXPORTS = {
+    "main": "sft_trainer.cli",
+    **dict.fromkeys(("ConfigError", "TrainConfig", "config_from_dict", "load_config"), "sft_trainer.config"),
+    **dict.fromkeys(("build_model", "create_model"), "sft_trainer.model"),
+    "parallelize_model": "sft_trainer.parallelize",
+    **dict.fromkeys(("build_plan", "estimate_memory", "format_plan"), "sft_trainer.plan"),
+}
 
 __version__ = "0.1.0"
 
@@ -28,3 +35,15 @@ __all__ = [
     "main",
     "parallelize_model",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'sft_trainer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -22,12 +22,14 @@ import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Union
 
-from pydantic import BaseModel
+# the config (pydantic, cp_models, torch) is imported where used: a process started by spawn from sft-train
+# re-imports this module as its main, and a tokenizing worker needs none of it
+if TYPE_CHECKING:
+    from pydantic import BaseModel
 
-from sft_trainer.config import CONFIGS_DIR, ConfigError, TrainConfig, load_config, starting_data
-from sft_trainer.config.overrides import _submodel
+    from sft_trainer.config import TrainConfig
 
 RUN_USAGE = (
     "Trains: spawns dp x cp local workers (CPU), or runs as one torchrun worker. `sft-train plan ...` takes the same\n"
@@ -121,6 +123,7 @@ def checked_config(argv: Sequence[str]) -> TrainConfig:
     """The run's config, once it, the checkpoint to resume, the output folders and this machine allow it to run;
     else SystemExit with one line per problem."""
     from sft_trainer.checkpoint import check_resume
+    from sft_trainer.config import ConfigError, load_config
     from sft_trainer.run_folder import output_problems
 
     try:
@@ -193,6 +196,7 @@ def plan_main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     Validates the config as training would, prints the plan (a table, or JSON with ``--json``) and exits nonzero
     naming the reason when the config is invalid or does not fit the GPU. Returns the plan dict."""
+    from sft_trainer.config import ConfigError, load_config
     from sft_trainer.plan import NVLINK_GBPS, build_plan, format_plan
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -258,6 +262,7 @@ def _json_default(value: Any) -> Any:
 
 def inspect_data_main(argv: Sequence[str]) -> None:
     """``sft-train inspect-data``: see :data:`INSPECT_USAGE`."""
+    from sft_trainer.config import ConfigError, load_config
     from sft_trainer.data import DataError
     from sft_trainer.inspect_data import inspect
 
@@ -308,6 +313,8 @@ def report_main(argv: Sequence[str] | None = None) -> None:
 
 def split_config_argument(argv: Sequence[str]) -> tuple[str | None, list[str]]:
     """``--config FILE`` (or ``--config=FILE``), anywhere among the overrides -> (FILE or None, the overrides)."""
+    from sft_trainer.config import ConfigError
+
     path, rest, argv = None, [], list(argv)
     i = 0
     while i < len(argv):
@@ -347,6 +354,10 @@ def wants_help(argv: Sequence[str]) -> bool:
 def config_help(command: str, about: str = "", argv: Sequence[str] = ()) -> str:
     """The usage of ``command`` and every config key: its dotted name, type, the value a run with the rest of the
     command line ``argv`` gets (its --config and overrides; unknown options are ignored here), and its description."""
+
+    from sft_trainer.config import CONFIGS_DIR, ConfigError, TrainConfig, starting_data
+    from sft_trainer.config.overrides import _submodel
+
     shipped = ", ".join(sorted(p.stem for p in CONFIGS_DIR.glob("*.toml")))
     try:
         path, overrides = split_config_argument([a for a in argv if a not in ("help", "-h", "--help")])

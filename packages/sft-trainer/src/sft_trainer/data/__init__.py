@@ -63,25 +63,43 @@ config, the rows of a dp replica). :class:`PackedDataset` holds its rows in memo
 lazily).
 """
 
-from sft_trainer.data.chat import TokenizedConversation, assistant_spans, tokenize_conversation
-from sft_trainer.data.conversations import (
-    IGNORE_INDEX,
-    ROLES,
-    Conversation,
-    DataError,
-    LoadedConversations,
-    OnError,
-    Overlong,
-    load_conversations,
-    tiny_chat_path,
-    tiny_tokenizer_dir,
-    tiny_vl_chat_path,
-    tiny_vl_processor_dir,
-    validate_messages,
-)
-from sft_trainer.data.dataset import PackedDataset, ReplicaRows, build_training_rows, rows_for_rank, store_options
-from sft_trainer.data.images import VisionTokens, conversation_images, load_image, load_image_processor, load_processor
-from sft_trainer.data.packing import PackedRow, PackResult, PackStats, collate_packed, pack_examples
+import importlib
+from typing import Any
+
+# name -> module, imported on first use: a tokenizing worker process imports sft_trainer.data.tokenize, which
+# needs neither torch (the dataset, packing) nor anything else of the training stack
+_EXPORTS = {
+    **dict.fromkeys(("TokenizedConversation", "assistant_spans", "tokenize_conversation"), "sft_trainer.data.chat"),
+    **dict.fromkeys(
+        (
+            "IGNORE_INDEX",
+            "ROLES",
+            "Conversation",
+            "DataError",
+            "LoadedConversations",
+            "OnError",
+            "Overlong",
+            "load_conversations",
+            "tiny_chat_path",
+            "tiny_tokenizer_dir",
+            "tiny_vl_chat_path",
+            "tiny_vl_processor_dir",
+            "validate_messages",
+        ),
+        "sft_trainer.data.conversations",
+    ),
+    **dict.fromkeys(
+        ("PackedDataset", "ReplicaRows", "build_training_rows", "rows_for_rank", "store_options"),
+        "sft_trainer.data.dataset",
+    ),
+    **dict.fromkeys(
+        ("VisionTokens", "conversation_images", "load_image", "load_image_processor", "load_processor"),
+        "sft_trainer.data.images",
+    ),
+    **dict.fromkeys(
+        ("PackedRow", "PackResult", "PackStats", "collate_packed", "pack_examples"), "sft_trainer.data.packing"
+    ),
+}
 
 __all__ = [
     "IGNORE_INDEX",
@@ -116,3 +134,15 @@ __all__ = [
     "tokenize_conversation",
     "validate_messages",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'sft_trainer.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from sft_trainer.data.images import VisionTokens, _pad_runs, _refuse_placeholder_text, conversation_images, load_image
+from sft_trainer.data.render import ChatRenderer
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True, eq=False)
@@ -38,20 +40,6 @@ class TokenizedConversation:
         return len(self.image_spans)
 
 
-def _render(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool, kwargs: Mapping) -> str:
-    # Templates see image parts without their payload (bytes or a base64 wall have no business in the text).
-    messages = [
-        {**m, "content": [p if p["type"] == "text" else {"type": "image", "image": "image"} for p in m["content"]]}
-        if isinstance(m["content"], list)
-        else m
-        for m in messages
-    ]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs)
-    if not isinstance(text, str):
-        raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, expected str")
-    return text
-
-
 def _default_end_of_turn(tokenizer: Any) -> str | None:
     vocab = tokenizer.get_vocab()
     if "<|im_end|>" in vocab:
@@ -75,6 +63,7 @@ def assistant_spans(
     end_of_turn: str | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     vision_tokens: VisionTokens | None = None,
+    renderer: ChatRenderer | None = None,
 ) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans ``[start, end)`` of its assistant replies.
 
@@ -86,12 +75,17 @@ def assistant_spans(
     A reply given as parts is found part by part: its text parts in order; images rendered after its last text
     (``vision_tokens``) may lie before the end-of-turn marker. A span may thus hold image placeholders; they get
     no loss (:func:`tokenize_conversation` zeroes the mask on every vision token). A reply without text is empty.
+
+    ``renderer`` (a :class:`~sft_trainer.data.render.ChatRenderer` of ``tokenizer`` and ``chat_template_kwargs``)
+    saves preparing the template for every conversation when many are rendered.
     """
-    kwargs = dict(chat_template_kwargs or {})
+    if renderer is None:
+        renderer = ChatRenderer(tokenizer, chat_template_kwargs)
     if end_of_turn is None:
         end_of_turn = _default_end_of_turn(tokenizer)
     markup = list(vars(vision_tokens or VisionTokens()).values())  # vars, not asdict: this runs once a row
-    full = _render(tokenizer, messages, False, kwargs)
+    prepared = renderer.prepare(messages)
+    full = renderer.render(prepared, False)
     spans: list[tuple[int, int]] = []
     cursor = 0
     for i, message in enumerate(messages):
@@ -99,7 +93,7 @@ def assistant_spans(
         texts = [content] if isinstance(content, str) else [p["text"] for p in content if p["type"] == "text"]
         if message["role"] != "assistant" or not any(texts):
             continue
-        prefix = _render(tokenizer, messages[:i], True, kwargs)
+        prefix = renderer.render(prepared[:i], True)
         if not full.startswith(prefix):
             raise ValueError(
                 f"the chat template is not prefix-stable at messages[{i}]: rendering the messages before it with "
@@ -136,6 +130,7 @@ def tokenize_conversation(
     base_dir: str | os.PathLike | None = None,
     vision_tokens: VisionTokens | None = None,
     image_paths_outside: bool = False,
+    renderer: ChatRenderer | None = None,
 ) -> TokenizedConversation:
     """Token ids of ``messages`` rendered with the tokenizer's chat template, and the assistant loss mask.
 
@@ -148,10 +143,13 @@ def tokenize_conversation(
     ``image_processor`` in one call; each image's single ``vision_tokens.image_pad`` becomes ``t * h * w //
     merge_size**2`` pads, ``(t, h, w)`` its ``image_grid_thw``. Vision tokens never carry loss. Raises
     ``ValueError`` for images without a processor or unreadable, a template that drops images, pad counts that
-    do not match the grids, and placeholder tokens typed into the text.
+    do not match the grids, and placeholder tokens typed into the text. ``renderer``: as in
+    :func:`assistant_spans` (one made for ``tokenizer`` and ``chat_template_kwargs`` is reused across calls).
     """
+    if renderer is None:
+        renderer = ChatRenderer(tokenizer, chat_template_kwargs)
     tokens = vision_tokens or VisionTokens()
-    ids = tokens.ids(tokenizer)
+    ids = renderer.vision_ids(tokens)
     images = conversation_images(messages)
     _refuse_placeholder_text(messages, tokens, ids)
     if images and image_processor is None:
@@ -166,7 +164,12 @@ def tokenize_conversation(
             "the VL model's tokenizer (its processor folder)"
         )
     full, spans = assistant_spans(
-        tokenizer, messages, end_of_turn=end_of_turn, chat_template_kwargs=chat_template_kwargs, vision_tokens=tokens
+        tokenizer,
+        messages,
+        end_of_turn=end_of_turn,
+        chat_template_kwargs=chat_template_kwargs,
+        vision_tokens=tokens,
+        renderer=renderer,
     )
     pieces: list[tuple[str, int]] = []
     cursor = 0
@@ -215,6 +218,8 @@ def _expand_images(
 ) -> TokenizedConversation:
     """Check the rendered placeholders against the image parts, run the images through the processor, expand
     each image's pad to its grid's token count, and zero the loss mask on every vision token."""
+    import torch
+
     if "image_pad" not in ids:  # a text tokenizer: no placeholders to check (images were refused earlier)
         return TokenizedConversation(input_ids, loss_mask)
     pad = ids["image_pad"]

@@ -25,6 +25,7 @@ from sft_trainer.data.conversations import (
 )
 from sft_trainer.data.images import VisionTokens
 from sft_trainer.data.packing import PackedRow, PackStats, pack_examples
+from sft_trainer.data.render import ChatRenderer
 
 
 class PackedDataset(Dataset):
@@ -106,6 +107,7 @@ class PackedDataset(Dataset):
             if pad_token_id is None:
                 raise ValueError("the tokenizer has neither a pad nor an eos token; pass pad_token_id")
         docs = []
+        renderer = ChatRenderer(tokenizer, chat_template_kwargs)
         for item in conversations:
             loaded = isinstance(item, Conversation)
             messages = item.messages if loaded else validate_messages({"messages": item})
@@ -120,6 +122,7 @@ class PackedDataset(Dataset):
                         base_dir=Path(item.source).parent if loaded else base_dir,
                         vision_tokens=vision_tokens,
                         image_paths_outside=image_paths_outside,
+                        renderer=renderer,
                     )
                 )
             except ValueError as exc:

@@ -8,7 +8,7 @@ import io
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -146,7 +146,7 @@ def _pad_runs(ids: Sequence[int], pad: int) -> list[tuple[int, int]]:
 
 def _refuse_placeholder_text(messages: Sequence[Mapping[str, Any]], tokens: VisionTokens, ids: Mapping) -> None:
     """A placeholder typed into text would be tokenized as one and taken for an image (or break the counts)."""
-    present = [token for name, token in asdict(tokens).items() if name in ids]
+    present = [token for name, token in vars(tokens).items() if name in ids]  # vars: asdict deep-copies
     for i, message in enumerate(messages):
         content = message["content"]
         texts = [content] if isinstance(content, str) else [p["text"] for p in content if p["type"] == "text"]

@@ -1,0 +1,134 @@
+"""Rendering conversations with a tokenizer's chat template, cheaply and exactly as ``apply_chat_template`` does.
+
+A conversation's loss mask needs several renderings of it (the whole, and the part before each reply with the
+generation prompt). ``apply_chat_template`` rebuilds its inputs on every call (message normalisation, the special
+tokens, the template lookup), which costs several times the template itself. :class:`ChatRenderer` does that
+work once: per tokenizer the template and its variables, per conversation the messages (every step of the
+preparation maps message by message, so the messages before a reply are a slice of the prepared list). The
+template runs compiled by transformers in its immutable Jinja sandbox, as in ``apply_chat_template``.
+
+The direct path needs transformers' chat-template helpers; where they are missing, or where its first renderings
+differ from ``apply_chat_template``'s, every rendering goes through ``apply_chat_template``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+from sft_trainer.data.images import VisionTokens
+
+# apply_chat_template's own parameters that may come in chat_template_kwargs and that the direct path handles
+_HANDLED = {"tools", "documents", "chat_template"}
+
+
+def _without_payloads(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Templates see image parts without their payload (bytes or a base64 wall have no business in the text)."""
+    return [
+        {**m, "content": [p if p["type"] == "text" else {"type": "image", "image": "image"} for p in m["content"]]}
+        if isinstance(m["content"], list)
+        else m
+        for m in messages
+    ]
+
+
+def _template_helpers() -> tuple[Any, ...] | None:
+    try:
+        from transformers.utils.chat_template_utils import (
+            _alias_reasoning_fields,
+            _compile_jinja_template,
+            _normalize_chat_messages,
+            _plain_template_data,
+        )
+    except ImportError:
+        return None
+    return _compile_jinja_template, _normalize_chat_messages, _plain_template_data, _alias_reasoning_fields
+
+
+@functools.lru_cache
+def _apply_parameters(tokenizer_class: type) -> frozenset[str]:
+    """``apply_chat_template``'s own parameters that the direct path does not handle."""
+    return frozenset(inspect.signature(tokenizer_class.apply_chat_template).parameters) - _HANDLED
+
+
+class ChatRenderer:
+    """``tokenizer``'s chat template with ``chat_template_kwargs``, for many conversations.
+
+    ``prepare(messages)`` once per conversation, then ``render(prepared[:k], generation_prompt)`` for the whole
+    or any leading part: the text ``tokenizer.apply_chat_template(messages[:k], tokenize=False,
+    add_generation_prompt=generation_prompt, **chat_template_kwargs)`` returns, image parts without payloads.
+    ``direct=False`` renders every time through ``apply_chat_template``.
+    """
+
+    def __init__(self, tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None = None, direct: bool = True):
+        self.tokenizer = tokenizer
+        self.kwargs = dict(chat_template_kwargs or {})
+        self._vision_ids: dict[VisionTokens, dict[str, int]] = {}
+        self._template = None
+        self._unchecked = True  # the first rendering is compared with apply_chat_template's
+        helpers = _template_helpers() if direct else None
+        if helpers is None or not self._direct_kwargs_ok():
+            return
+        compile_template, self._normalize, self._plain, self._alias = helpers
+        tools, documents = self.kwargs.get("tools"), self.kwargs.get("documents")
+        variables = {k: v for k, v in self.kwargs.items() if k not in _HANDLED}
+        try:
+            template = compile_template(tokenizer.get_chat_template(self.kwargs.get("chat_template"), tools))
+        except Exception:  # no template, or one that does not compile: apply_chat_template says so for each row
+            return
+        self._variables = {
+            "tools": self._plain(tools),
+            "documents": self._plain(documents),
+            **self._plain({**tokenizer.special_tokens_map, **variables}),
+        }
+        self._template = template
+
+    def _direct_kwargs_ok(self) -> bool:
+        """Only template variables, and tools / documents as plain dicts (callables need transformers' schema)."""
+        if _apply_parameters(type(self.tokenizer)) & set(self.kwargs):
+            return False
+        return all(
+            self.kwargs.get(name) is None
+            or (isinstance(self.kwargs[name], list) and all(isinstance(x, dict) for x in self.kwargs[name]))
+            for name in ("tools", "documents")
+        )
+
+    @property
+    def direct(self) -> bool:
+        """Whether renderings call the compiled template directly (else ``apply_chat_template``)."""
+        return self._template is not None
+
+    def vision_ids(self, tokens: VisionTokens) -> dict[str, int]:
+        """``tokens.ids(tokenizer)``, looked up once."""
+        if tokens not in self._vision_ids:
+            self._vision_ids[tokens] = tokens.ids(self.tokenizer)
+        return self._vision_ids[tokens]
+
+    def prepare(self, messages: list[dict[str, Any]]) -> list[Any]:
+        """``messages`` as the template sees them (for :meth:`render`); each entry stands for one message."""
+        messages = _without_payloads(messages)
+        if self._template is None:
+            return messages
+        return self._alias(self._plain(self._normalize(messages)))
+
+    def render(self, prepared: list[Any], generation_prompt: bool) -> str:
+        if self._template is not None and prepared:  # apply_chat_template refuses an empty list: let it say so
+            text = self._template.render(messages=prepared, add_generation_prompt=generation_prompt, **self._variables)
+            if self._unchecked:
+                self._unchecked = False
+                reference = self._reference(prepared, generation_prompt)
+                if text != reference:  # transformers prepares differently here: its own path from now on
+                    self._template = None
+                    return reference
+            return text
+        return self._reference(prepared, generation_prompt)
+
+    def _reference(self, prepared: list[Any], generation_prompt: bool) -> str:
+        text = self.tokenizer.apply_chat_template(
+            prepared, tokenize=False, add_generation_prompt=generation_prompt, **self.kwargs
+        )
+        if not isinstance(text, str):
+            raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, expected str")
+        return text
