@@ -81,8 +81,11 @@ def ring_and_resume(tmp_path_factory) -> dict[str, tuple[Path, list[dict]]]:
         "again": cp2,
     }
     outs = {"full": folder / "full", "resumed": folder / "resumed", "again": folder / "resumed"}
-    metrics = _train_runs(*((outs[name], overrides) for name, overrides in runs.items()))
-    return {name: (outs[name], m) for name, m in zip(runs, metrics, strict=True)}
+    trained = dict(zip(runs, _train_runs(*((outs[name], overrides) for name, overrides in runs.items())), strict=True))
+    # "again" set the resumed run's metrics aside, to metrics.1.jsonl: read them there
+    lines = (folder / "resumed" / "metrics.1.jsonl").read_text().splitlines()
+    trained["resumed"] = [json.loads(line) for line in lines]
+    return {name: (outs[name], m) for name, m in trained.items()}
 
 
 def test_cp2_ring_attention_equals_cp1(cp1_run, ring_and_resume):
