@@ -37,3 +37,39 @@ def cp1_run(tmp_path_factory):
         "true",
     )
     return out, _train(out, *overrides)
+
+
+@pytest.fixture(scope="session")
+def nemotron_runs(tmp_path_factory) -> dict[str, tuple]:
+    """The tiny Nemotron-H trained at cp = 1 (one process, no FSDP) and at cp = 2 under each Mamba strategy
+    (state passing, head-parallel a2a), in one launcher: name -> (output folder, metrics). The cp = 1 run's HF
+    export is also the Nemotron-H checkpoint that test_trainer_checkpoints trains again."""
+    from trainer_runs import _train_runs
+
+    out = tmp_path_factory.mktemp("nemotron_h")
+    nemotron = ("--model.preset", "tiny-nemotron_h")
+    runs = {
+        "cp1": (*nemotron, "--parallel.cp", "1", "--parallel.fsdp", "false"),
+        "state_passing": (*nemotron, "--parallel.cp", "2", "--parallel.cp_style", "state_passing"),
+        "a2a": (*nemotron, "--parallel.cp", "2", "--parallel.cp_style", "a2a"),
+    }
+    metrics = _train_runs(*((out / name, overrides) for name, overrides in runs.items()))
+    return {name: (out / name, m) for name, m in zip(runs, metrics, strict=True)}
+
+
+@pytest.fixture(scope="session")
+def vl_runs(tmp_path_factory) -> dict[str, tuple]:
+    """The tiny Qwen3.5-VL (``--config tiny_vl_cpu``) at cp = 1 (one process, no FSDP) and at cp = 2 with FSDP in
+    each vision mode (the tower sharded or replicated), in one launcher: name -> (output folder, metrics). The cp = 1
+    run's HF export is also the VL checkpoint that test_trainer_checkpoints trains again."""
+    from trainer_runs import _train_runs
+
+    out = tmp_path_factory.mktemp("vl")
+    vl = ("--config", "tiny_vl_cpu")
+    runs = {
+        "cp1": (*vl, "--parallel.cp", "1", "--parallel.fsdp", "false"),
+        "shard": (*vl, "--parallel.cp", "2", "--model.vision_cp", "shard"),
+        "replicate": (*vl, "--parallel.cp", "2", "--model.vision_cp", "replicate"),
+    }
+    metrics = _train_runs(*((out / name, overrides) for name, overrides in runs.items()))
+    return {name: (out / name, m) for name, m in zip(runs, metrics, strict=True)}

@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 from packaging.version import Version
-from trainer_runs import _train, _weights
+from trainer_runs import _train_runs, _weights
 
 from sft_trainer.cli import plan_main
 from sft_trainer.config import tiny_qwen35_config
@@ -31,52 +31,53 @@ def _moe_config_file(folder: Path) -> list[str]:
     return ["--model.config", str(folder / "config.json")]
 
 
-SOURCES = {
-    "qwen3_5": lambda folder: ["--model.preset", "tiny-qwen3_5"],
-    "qwen3_5_moe": _moe_config_file,
-    "nemotron_h": lambda folder: ["--model.preset", "tiny-nemotron_h"],
-    "qwen3_5_vl": lambda folder: ["--config", "tiny_vl_cpu"],
-}
 BASE_STEPS = ("--parallel.cp", "1", "--train.steps", "2", "--train.grad_accum", "1")
+FAMILIES = ["qwen3_5_moe", "nemotron_h", "qwen3_5_vl"]
 
 
 @pytest.fixture(scope="module")
-def export(tmp_path_factory, cp1_run):
-    """family -> (the HF export of a tiny model trained for 2 steps, that run's metrics); built once per family.
-    The dense family's is the session's reference run (conftest.py: 3 steps), trained once for both modules."""
-    built: dict[str, tuple[Path, list[dict]]] = {"qwen3_5": (cp1_run[0] / "hf", cp1_run[1])}
+def export(tmp_path_factory, cp1_run, nemotron_runs, vl_runs) -> dict[str, tuple[Path, list[dict]]]:
+    """family -> (the HF export of a tiny model trained for a few steps at cp = 1, that run's metrics). The dense
+    family's, Nemotron-H's and the VL model's are the session's reference runs (conftest.py: 3 steps, trained once
+    for this module and the others); the MoE model's trains here for 2 steps. Also "<family> again" -> (folder,
+    metrics) of 2 steps from ``--model.path`` = that family's export. One launcher trains the MoE model, then the
+    exports again, in turn."""
+    built = {
+        "qwen3_5": (cp1_run[0] / "hf", cp1_run[1]),
+        "qwen3_5_moe": (tmp_path_factory.mktemp("qwen3_5_moe") / "hf", []),
+        "nemotron_h": (nemotron_runs["cp1"][0] / "hf", nemotron_runs["cp1"][1]),
+        "qwen3_5_vl": (vl_runs["cp1"][0] / "hf", vl_runs["cp1"][1]),
+    }
+    moe = (built["qwen3_5_moe"][0].parent, (*_moe_config_file(tmp_path_factory.mktemp("moe_config")), *BASE_STEPS))
+    folder = tmp_path_factory.mktemp("again")
+    again = [(folder / family, ("--model.path", str(built[family][0]), "--train.steps", "2")) for family in FAMILIES]
+    moe_metrics, *again_metrics = _train_runs(moe, *again)
+    built["qwen3_5_moe"] = (built["qwen3_5_moe"][0], moe_metrics)
+    for (out, _), family, metrics in zip(again, FAMILIES, again_metrics, strict=True):
+        built[f"{family} again"] = (out, metrics)
+    return built
 
-    def get(family: str) -> tuple[Path, list[dict]]:
-        if family not in built:
-            out = tmp_path_factory.mktemp(family)
-            source = SOURCES[family](tmp_path_factory.mktemp(f"{family}_config"))
-            built[family] = out / "hf", _train(out, *source, *BASE_STEPS)
-        return built[family]
 
-    return get
-
-
-@pytest.mark.parametrize("family", ["qwen3_5_moe", "nemotron_h", "qwen3_5_vl"])
-def test_an_export_trains_again_from_model_path(family, export, tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_export_trains_again_from_model_path(family, export):
     """The dense family's round trip is the LoRA test below (its runs start from the dense export)."""
-    hf, base = export(family)
+    hf, base = export[family]
     config_text = (hf / "config.json").read_text()
     if family == "nemotron_h" and Version(transformers.__version__) >= Version("5.24"):
         assert '"__float__": "Infinity"' in config_text  # the time_step_limit that json + from_dict rejected
-    metrics = _train(tmp_path, "--model.path", str(hf), "--train.steps", "2")
+    out, metrics = export[f"{family} again"]
     losses = [m["loss"] for m in metrics]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
     # The first row is the base run's first row (same data, seed and tokenizer), seen twice in training: lower loss.
     assert losses[0] < base[0]["loss"], (base, losses)
-    assert load_tokenizer(tmp_path / "hf").get_vocab() == load_tokenizer(hf).get_vocab()  # the checkpoint's own
+    assert load_tokenizer(out / "hf").get_vocab() == load_tokenizer(hf).get_vocab()  # the checkpoint's own
     plan = plan_main(["--model.path", str(hf), "--json"])
     assert plan["fits"] and not plan["problems"]
 
 
-def _lora(out: Path, model: Path, cp: int, *extra: str) -> list[float]:
+def _lora(out: Path, model: Path, cp: int, *extra: str) -> tuple[Path, tuple[str, ...]]:
     lora = ("--train.lora.enabled", "--train.lora.rank", "4", "--train.lr", "1e-2", "--parallel.attention_cp", "auto")
-    metrics = _train(out, "--model.path", str(model), "--parallel.cp", str(cp), *lora, *extra)
-    return [m["loss"] for m in metrics]
+    return out, ("--model.path", str(model), "--parallel.cp", str(cp), *lora, *extra)
 
 
 # cp 2 and 4 sum each token's loss and gradients in another order than cp 1 (fp32 rounding, ~1e-7 relative), and
@@ -88,8 +89,12 @@ LORA_TARGETS = tuple(f"{name}.weight" for name in ("q_proj", "k_proj", "v_proj",
 
 
 def test_lora_from_a_checkpoint_is_seeded_at_any_cp(export, tmp_path):
-    hf, _ = export("qwen3_5")
-    losses = {cp: _lora(tmp_path / f"cp{cp}", hf, cp) for cp in (1, 2, 4)}
+    hf, _ = export["qwen3_5"]
+    dropout = ("--train.lora.dropout", "0.1")  # the same config twice, LoRA dropout on (the runs "again1", "again2")
+    runs = {f"cp{cp}": _lora(tmp_path / f"cp{cp}", hf, cp) for cp in (1, 2, 4)}
+    runs |= {name: _lora(tmp_path / name, hf, 2, *dropout) for name in ("again1", "again2")}
+    trained = dict(zip(runs, _train_runs(*runs.values()), strict=True))  # one launcher trains them in turn
+    losses = {cp: [m["loss"] for m in trained[f"cp{cp}"]] for cp in (1, 2, 4)}
     print(f"\n[lora from checkpoint] losses per cp: {json.dumps(losses)}")
     base, tuned = _weights(hf.parent), _weights(tmp_path / "cp1")  # the merged export: adapted layers moved only
     moved = {n for n in base if not torch.equal(base[n], tuned[n])}
@@ -100,8 +105,6 @@ def test_lora_from_a_checkpoint_is_seeded_at_any_cp(export, tmp_path):
     plan = plan_main(["--model.path", str(hf), "--json"])
     assert plan["fits"] and not plan["problems"]
 
-    # The same config twice, LoRA dropout on: bit-identical losses (adapters, dropout masks and data order seeded).
-    dropout = ("--train.lora.dropout", "0.1")
-    first = _lora(tmp_path / "again1", hf, 2, *dropout)
-    second = _lora(tmp_path / "again2", hf, 2, *dropout)
+    # Dropout on: bit-identical losses (adapters, dropout masks and data order seeded).
+    first, second = ([m["loss"] for m in trained[name]] for name in ("again1", "again2"))
     assert first == second and first != losses[2], (first, second, losses[2])

@@ -1,11 +1,8 @@
 """LoRA adapters: only adapters train, the merged layer computes the same function, and a CP run with LoRA works."""
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
+from trainer_runs import _train_runs
 
 from cp_models import Qwen35ForCausalLM
 from sft_trainer.config import tiny_qwen35_config
@@ -38,39 +35,14 @@ def test_unknown_target_is_refused():
         apply_lora(_model(), ["nonexistent_proj"], rank=4, alpha=8.0)
 
 
-def _run(out, *overrides):
-    cmd = [
-        sys.executable,
-        "-c",
-        "from sft_trainer.cli import main; main()",
-        "--output_dir",
-        str(out),
-        "--train.steps",
-        "3",
-        "--data.seq_len",
-        "128",
-        "--logging.progress_bar",
-        "false",
-        "--train.lora.enabled",
-        "true",
-        "--train.lora.rank",
-        "4",
-        "--train.lr",
-        "1e-2",
-        "--train.warmup_steps",
-        "1",
-        *overrides,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+LORA = ("--train.lora.enabled", "true", "--train.lora.rank", "4", "--train.lr", "1e-2")
 
 
 def test_lora_run_cp2_equals_cp1_and_exports(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    losses2 = _run(tmp_path / "cp2", "--parallel.cp", "2")
-    losses1 = _run(tmp_path / "cp1", "--parallel.cp", "1")
+    runs = [(tmp_path / f"cp{cp}", (*LORA, "--parallel.cp", str(cp))) for cp in (2, 1)]
+    losses2, losses1 = ([m["loss"] for m in metrics] for metrics in _train_runs(*runs))
     for a, b in zip(losses1, losses2, strict=True):
         assert abs(a - b) <= 1e-5 * abs(a), (losses1, losses2)
     assert losses2[-1] != losses2[0]  # the adapters did train

@@ -12,7 +12,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_runs import STEPS, _assert_same_run, _train, one_line_failure, read_wandb_records, sft_train, wandb_items
+from trainer_runs import (
+    FORK_WORKERS,
+    STEPS,
+    _assert_same_run,
+    _train,
+    _train_runs,
+    one_line_failure,
+    read_wandb_records,
+    sft_train,
+    wandb_items,
+)
 
 from sft_trainer.checkpoint import EXTRA_FORMAT, data_change_problem
 from sft_trainer.config import load_config
@@ -58,25 +68,42 @@ def test_dp2_cp2_fsdp_equals_cp1_with_accumulation(cp1_run, tmp_path):
     _assert_same_run(cp1_run, (tmp_path, _train(tmp_path, *overrides)))
 
 
-def test_cp2_ring_attention_equals_cp1(cp1_run, tmp_path):
-    """cp = 2 with the attention's keys and values passed around the ring (parallel.attention_cp = "kv_ring"),
-    FSDP2 over both ranks: the unsharded single process's numbers."""
-    _assert_same_run(cp1_run, (tmp_path, _train(tmp_path, "--parallel.cp", "2", "--parallel.attention_cp", "kv_ring")))
+@pytest.fixture(scope="module")
+def ring_and_resume(tmp_path_factory) -> dict[str, tuple[Path, list[dict]]]:
+    """cp = 2 with the attention's keys and values passed around the ring (parallel.attention_cp = "kv_ring"), FSDP2
+    over both ranks and a checkpoint after every step ("full"); the run resumed from its step-1 checkpoint
+    ("resumed"); then a fresh run into the resumed run's folder ("again"). One launcher trains them in turn."""
+    folder = tmp_path_factory.mktemp("ring")
+    cp2 = ("--parallel.cp", "2", "--parallel.attention_cp", "kv_ring")
+    runs = {
+        "full": (*cp2, "--checkpoint.every", "1"),
+        "resumed": (*cp2, "--checkpoint.resume", str(folder / "full" / "checkpoints" / "step-000001")),
+        "again": cp2,
+    }
+    outs = {"full": folder / "full", "resumed": folder / "resumed", "again": folder / "resumed"}
+    trained = dict(zip(runs, _train_runs(*((outs[name], overrides) for name, overrides in runs.items())), strict=True))
+    # "again" set the resumed run's metrics aside, to metrics.1.jsonl: read them there
+    lines = (folder / "resumed" / "metrics.1.jsonl").read_text().splitlines()
+    trained["resumed"] = [json.loads(line) for line in lines]
+    return {name: (outs[name], m) for name, m in trained.items()}
 
 
-def test_resume_reproduces_losses(tmp_path):
-    full = tmp_path / "full"
-    metrics = _train(full, "--parallel.cp", "2", "--checkpoint.every", "1")
+def test_cp2_ring_attention_equals_cp1(cp1_run, ring_and_resume):
+    """The ring run gives the unsharded single process's numbers."""
+    _assert_same_run(cp1_run, ring_and_resume["full"])
+
+
+def test_resume_reproduces_losses(ring_and_resume, tmp_path):
+    full, metrics = ring_and_resume["full"]
     ckpt = full / "checkpoints" / "step-000001"
     assert ckpt.exists()
-    resumed_dir = tmp_path / "resumed"
-    resumed = _train(resumed_dir, "--parallel.cp", "2", "--checkpoint.resume", str(ckpt))
+    resumed_dir, resumed = ring_and_resume["resumed"]
     assert [m["step"] for m in resumed] == list(range(2, STEPS + 1))
     for a, b in zip([m["loss"] for m in metrics][1:], [m["loss"] for m in resumed], strict=True):
         assert a == pytest.approx(b, rel=1e-6, abs=0)
     # A fresh run into the same folder sets the resumed run's outputs aside (nothing lost, nothing mixed) and
     # trains from step 1: the uninterrupted run's losses.
-    again = _train(resumed_dir, "--parallel.cp", "2")
+    _, again = ring_and_resume["again"]
     assert [m["step"] for m in again] == list(range(1, STEPS + 1))
     for a, b in zip([m["loss"] for m in metrics], [m["loss"] for m in again], strict=True):
         assert a == pytest.approx(b, rel=1e-6, abs=0)
@@ -162,6 +189,7 @@ def test_a_stop_waits_for_rank_0_to_say_why(tmp_path):
     reason, so the launcher (which ends every worker once one ends) never cuts that line off."""
     (tmp_path / "stopping_workers.py").write_text(STOPPING_WORKERS)
     script = f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import stopping_workers; stopping_workers.go(3.0)"
+    script = FORK_WORKERS + script  # the workers forked, not spawned: the stop's barrier is the subject here
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert proc.stderr.count("sft-train: the reason, said once\n") == 1, proc.stderr[-2000:]
@@ -253,23 +281,24 @@ def test_loss_falls(tmp_path):
     assert sum(losses[-4:]) / 4 < 0.8 * sum(losses[:4]) / 4, losses
 
 
-def test_nemotron_h_trains_under_both_mamba_strategies(tmp_path):
-    """The tiny Nemotron-H preset trains end to end: cp = 2 under state passing and under head-parallel a2a both
-    give the cp = 1 losses, and the HF export loads in transformers' NemotronHForCausalLM with our logits."""
+def test_nemotron_h_trains_under_both_mamba_strategies(nemotron_runs):
+    """The tiny Nemotron-H preset trains end to end (nemotron_runs, conftest.py): cp = 2 under state passing and
+    under head-parallel a2a both give the cp = 1 losses, and the HF export loads in transformers'
+    NemotronHForCausalLM with our logits."""
     from transformers import AutoModelForCausalLM
 
     from cp_models import NemotronHForCausalLM
 
-    nemotron = ("--model.preset", "tiny-nemotron_h")
-    ref = _train(tmp_path / "cp1", *nemotron, "--parallel.cp", "1", "--parallel.fsdp", "false")
+    ref = nemotron_runs["cp1"][1]
     for style in ("state_passing", "a2a"):
-        got = _train(tmp_path / style, *nemotron, "--parallel.cp", "2", "--parallel.cp_style", style)
+        got = nemotron_runs[style][1]
         for a, b in zip([m["loss"] for m in ref], [m["loss"] for m in got], strict=True):
             assert abs(a - b) <= 1e-5 * abs(a), (style, ref, got)
     assert ref[-1]["loss"] < ref[0]["loss"]
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "a2a" / "hf").eval()
+    export = nemotron_runs["a2a"][0] / "hf"
+    hf = AutoModelForCausalLM.from_pretrained(export).eval()
     assert type(hf).__name__ == "NemotronHForCausalLM"
-    ours = NemotronHForCausalLM.from_pretrained(tmp_path / "a2a" / "hf")
+    ours = NemotronHForCausalLM.from_pretrained(export)
     ids = torch.randint(0, hf.config.vocab_size, (24,))
     with torch.no_grad():
         ref_logits = hf(ids[None]).logits[0]

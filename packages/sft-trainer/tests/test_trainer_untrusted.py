@@ -16,6 +16,7 @@ import torch
 from test_trainer_outputs import fake_checkpoint
 
 from sft_trainer.checkpoint import CheckpointError, _dcp_reader_and_planner, check_resume, read_dcp_metadata
+from sft_trainer.cli import main
 from sft_trainer.config import load_config
 
 
@@ -44,6 +45,11 @@ def _sft_train(*args: str) -> tuple[subprocess.CompletedProcess, float]:
     return proc, time.monotonic() - started
 
 
+# The case run as a whole sft-train process (exit code, stderr, no traceback); the others call main in this process,
+# which stops with the same message before any worker starts.
+REAL_PROCESS_CASE = ".metadata"
+
+
 @pytest.mark.parametrize("where", ["extra-rank0.pt", "extra-rank0.json", "rng-rank0.safetensors", ".metadata"])
 def test_a_crafted_pickle_in_a_resume_folder_does_not_run(tmp_path, where):
     """A resume folder where one file is a pickle that would create a file when unpickled: the run stops before any
@@ -53,14 +59,21 @@ def test_a_crafted_pickle_in_a_resume_folder_does_not_run(tmp_path, where):
     if where == "extra-rank0.pt":  # a pickle beside no JSON state: the layout of torch.save'd extras
         (ckpt / "extra-rank0.json").unlink()
     (ckpt / where).write_bytes(_payload(marker))
-    proc, seconds = _sft_train(
-        "--output_dir", str(tmp_path / "out"), "--checkpoint.resume", str(ckpt), "--train.steps", "3",
-        "--train.grad_accum", "1", "--train.warmup_steps", "1",
-    )  # fmt: skip
-    assert proc.returncode == 1 and not marker.exists()
-    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    lines = proc.stderr.strip().splitlines()
-    assert lines[0] == "sft-train: cannot resume:" and len(lines) == 2, proc.stderr
+    args = ("--output_dir", str(tmp_path / "out"), "--checkpoint.resume", str(ckpt), "--train.steps", "3",
+            "--train.grad_accum", "1", "--train.warmup_steps", "1")  # fmt: skip
+    if where == REAL_PROCESS_CASE:
+        proc, seconds = _sft_train(*args)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        message = proc.stderr
+    else:
+        started = time.monotonic()
+        with pytest.raises(SystemExit) as info:
+            main(list(args))
+        seconds = time.monotonic() - started
+        message = str(info.value.code)
+    assert not marker.exists()
+    lines = message.strip().splitlines()
+    assert lines[0] == "sft-train: cannot resume:" and len(lines) == 2, message
     expected = {
         "extra-rank0.pt": "(it holds extra-rank0.pt, a pickle, which sft-train never loads)",
         "extra-rank0.json": "extra-rank0.json: not readable as sft-train's JSON state",
@@ -69,6 +82,7 @@ def test_a_crafted_pickle_in_a_resume_folder_does_not_run(tmp_path, where):
     }[where]
     assert expected in lines[1], lines[1]
     assert seconds < 30  # before any worker: no process group, no model
+    assert not (tmp_path / "out").exists()
 
 
 def test_dcp_metadata_reads_through_the_allow_list(tmp_path):

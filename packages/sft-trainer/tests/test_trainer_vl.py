@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_runs import STEPS, _assert_same_run, _train
+from trainer_runs import STEPS, _assert_same_run, _train_runs
 
 from sft_trainer.config import SHIPPED_VL_DATA, SHIPPED_VL_PROCESSOR, load_config
 from sft_trainer.data import build_training_rows, load_image_processor
@@ -21,24 +21,16 @@ from sft_trainer.data import build_training_rows, load_image_processor
 VL = ("--config", "tiny_vl_cpu")
 
 
-def _vl_train(out: Path, *overrides: str) -> list[dict]:
-    return _train(out, *VL, *overrides)
-
-
-@pytest.fixture(scope="module")
-def cp1_vl(tmp_path_factory):
-    out = tmp_path_factory.mktemp("vl_cp1")
-    return out, _vl_train(out, "--parallel.cp", "1", "--parallel.fsdp", "false")
+# vl_runs (conftest.py): cp = 1, and cp = 2 in both vision modes, trained once for this module and the checkpoint one.
 
 
 @pytest.mark.parametrize("vision_cp", ["shard", "replicate"])
-def test_vl_cp2_fsdp_equals_cp1(cp1_vl, tmp_path, vision_cp):
-    metrics = _vl_train(tmp_path, "--parallel.cp", "2", "--model.vision_cp", vision_cp)
-    _assert_same_run(cp1_vl, (tmp_path, metrics))
-    assert all(m["tokens"] > 0 for m in metrics)
+def test_vl_cp2_fsdp_equals_cp1(vl_runs, vision_cp):
+    _assert_same_run(vl_runs["cp1"], vl_runs[vision_cp])
+    assert all(m["tokens"] > 0 for m in vl_runs[vision_cp][1])
 
 
-def test_vl_export_loads_in_transformers(cp1_vl):
+def test_vl_export_loads_in_transformers(vl_runs):
     """The export is a transformers VL checkpoint (with the tokenizer and the image processor): transformers' model
     and ours loaded from it give the same logits on a shipped conversation with its image."""
     from transformers import AutoModelForImageTextToText, AutoTokenizer
@@ -46,7 +38,7 @@ def test_vl_export_loads_in_transformers(cp1_vl):
     from cp_vlm import Qwen35VLForConditionalGeneration
     from sft_trainer.data import load_conversations, tokenize_conversation
 
-    out, _ = cp1_vl
+    out, _ = vl_runs["cp1"]
     hf = AutoModelForImageTextToText.from_pretrained(out / "hf").eval()
     assert type(hf).__name__ == "Qwen3_5ForConditionalGeneration"
     ours = Qwen35VLForConditionalGeneration.from_pretrained(out / "hf")
@@ -99,9 +91,9 @@ def test_vl_dp2_cp2_fsdp_with_text_only_rows_equals_cp1(tmp_path):
     has_images = [r.image_grid_thw is not None for r in rows]
     # Step s feeds rows 2s (replica 0) and 2s + 1 (replica 1): some step must mix a text-only row with an image one.
     assert any(has_images[2 * s] != has_images[2 * s + 1] for s in range(min(STEPS, len(rows) // 2))), has_images
-    ref = _vl_train(tmp_path / "cp1", *data_args, "--parallel.cp", "1", "--parallel.fsdp", "false")
-    got = _vl_train(
-        tmp_path / "dp2cp2", *data_args, "--parallel.cp", "2", "--parallel.dp", "2", "--train.grad_accum", "1"
+    ref, got = _train_runs(
+        (tmp_path / "cp1", (*VL, *data_args, "--parallel.cp", "1", "--parallel.fsdp", "false")),
+        (tmp_path / "dp2cp2", (*VL, *data_args, "--parallel.cp", "2", "--parallel.dp", "2", "--train.grad_accum", "1")),
     )
     _assert_same_run((tmp_path / "cp1", ref), (tmp_path / "dp2cp2", got))
 

@@ -15,32 +15,68 @@ from cp_core.testing import relative_l2
 STEPS = 3
 
 
+# Prepended to a script that starts workers through torch.multiprocessing: they are forked from it instead of
+# spawned as fresh interpreters, each of which imports torch again (10-20 s on a loaded 2-core machine). For tests
+# whose subject is what the workers do; test_trainer_faults, test_trainer_bad_inputs, test_trainer_watch and the
+# torchrun runs start the real spawned or torchrun launch.
+FORK_WORKERS = """
+import torch.multiprocessing as mp
+
+_start_processes = mp.start_processes
+
+
+def start_processes(*args, start_method="spawn", **kwargs):
+    return _start_processes(*args, start_method="fork", **kwargs)
+
+
+mp.start_processes = start_processes
+"""
+# One launcher process runs the given sft-train runs in turn, each as `sft-train ARGS` would (its folders released
+# when it ends, as at a process's exit), forking each run's workers, with the modules a worker imports loaded once.
+_RUNS_LAUNCHER = (
+    FORK_WORKERS
+    + """
+import json, os, sys
+import sft_trainer.data, sft_trainer.lora, sft_trainer.model, sft_trainer.run, sft_trainer.tokenizer_fit
+from sft_trainer import run_folder
+from sft_trainer.cli import main
+
+for argv in json.loads(sys.argv[1]):
+    print("sft-train " + " ".join(argv), file=sys.stderr, flush=True)
+    main(argv)
+    while run_folder._held:
+        os.close(run_folder._held.pop())
+"""
+)
+
+
+def _args(out: Path, overrides: tuple[str, ...]) -> list[str]:
+    return ["--output_dir", str(out), "--train.steps", str(STEPS), "--data.seq_len", "128", "--train.warmup_steps", "1",
+            "--model.dtype", "float32", "--logging.progress_bar", "false", *overrides]  # fmt: skip
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train_runs(*runs: tuple[Path, tuple[str, ...]]) -> list[list[dict]]:
+    """The metrics of each (output folder, overrides) run, trained in turn by one launcher that forks its workers."""
+    argvs = [_args(out, overrides) for out, overrides in runs]
+    cmd = [sys.executable, "-c", _RUNS_LAUNCHER, json.dumps(argvs)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600 * len(runs))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [_metrics(out) for out, _ in runs]
+
+
 def _train(out: Path, *overrides: str, torchrun_procs: int = 0) -> list[dict]:
-    launcher = ["-c", "from sft_trainer.cli import main; main()"]
-    if torchrun_procs:  # torchrun sets RANK/WORLD_SIZE; sft-train then runs as one of its workers
-        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun_procs}"]
-        launcher += ["-m", "sft_trainer.run"]
-    cmd = [
-        sys.executable,
-        *launcher,
-        "--output_dir",
-        str(out),
-        "--train.steps",
-        str(STEPS),
-        "--data.seq_len",
-        "128",
-        "--train.warmup_steps",
-        "1",
-        "--model.dtype",
-        "float32",
-        "--logging.progress_bar",
-        "false",
-        *overrides,
-    ]
+    if not torchrun_procs:
+        return _train_runs((out, overrides))[0]
+    # torchrun sets RANK/WORLD_SIZE; sft-train then runs as one of its workers
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun_procs}"]
+    cmd = [sys.executable, *launcher, "-m", "sft_trainer.run", *_args(out, overrides)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
+    return _metrics(out)
 
 
 def sft_train(*args: str, timeout: float = 300, **popen) -> tuple[subprocess.CompletedProcess, float]:
