@@ -130,7 +130,7 @@ def layer_bytes(config, style: str, seq_len: int, cp: int, rank: int) -> tuple[i
     from cp_core import CPTopology, build_packed_metadata
     from cp_core.testing import CommCounter, fake_process_group
     from cp_models import set_context_parallel_attributes
-    from cp_models.nemotron_h import NemotronHMamba2Mixer
+    from cp_models.nemotron_h_mamba import NemotronHMamba2Mixer
 
     with fake_process_group(rank, cp) as group:
         torch.manual_seed(0)
@@ -309,7 +309,7 @@ def _layer_share_step(config, style: str, seq_len: int, cp: int, device: str):
     from cp_core import CPTopology, build_packed_metadata
     from cp_core.testing import fake_process_group
     from cp_models import set_context_parallel_attributes
-    from cp_models.nemotron_h import NemotronHMamba2Mixer
+    from cp_models.nemotron_h_mamba import NemotronHMamba2Mixer
 
     rank = min(1, cp - 1)
     with fake_process_group(rank, cp) as group:

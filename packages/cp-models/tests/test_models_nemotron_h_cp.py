@@ -40,7 +40,7 @@ from cp_models import (
     apply_activation_checkpointing,
     set_context_parallel_attributes,
 )
-from cp_models.nemotron_h import NemotronHMamba2Mixer
+from cp_models.nemotron_h_mamba import NemotronHMamba2Mixer
 from cp_models.presets import tiny_nemotron_h_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")

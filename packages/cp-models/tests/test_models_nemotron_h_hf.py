@@ -24,14 +24,10 @@ from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHTopkRout
 from cp_core import ContextParallelError
 from cp_core.testing import relative_max
 from cp_models import NemotronHForCausalLM, apply_activation_checkpointing, load_nemotron_h_config
+from cp_models.activations import ACTIVATIONS, activation
 from cp_models.hf_checkpoint import read_safetensors, write_safetensors
-from cp_models.nemotron_h import (
-    _ACTIVATIONS,
-    NemotronHExperts,
-    NemotronHMamba2Mixer,
-    NemotronHTopkRouter,
-    _activation,
-)
+from cp_models.nemotron_h import NemotronHExperts, NemotronHTopkRouter
+from cp_models.nemotron_h_mamba import NemotronHMamba2Mixer
 from cp_models.presets import tiny_nemotron_h_config
 
 TOL = 1e-5  # relative: max |ours - ref| / max |ref|, for logits and log-probs
@@ -510,8 +506,8 @@ def test_activations_match_transformers():
     from transformers.activations import ACT2FN
 
     x = torch.randn(4096, dtype=torch.float64) * 4
-    for name in (*_ACTIVATIONS, "quick_gelu"):  # the last one comes from transformers itself
-        torch.testing.assert_close(_activation(name)(x), ACT2FN[name](x), rtol=0, atol=0)
+    for name in (*ACTIVATIONS, "quick_gelu"):  # the last one comes from transformers itself
+        torch.testing.assert_close(activation(name)(x), ACT2FN[name](x), rtol=0, atol=0)
 
 
 def test_init_weights_like_transformers():

@@ -536,7 +536,7 @@ def test_mamba_state_passing_correction_saves_what_the_planner_counts():
     span 2+ chunks of the torch SSD reference (64 tokens): at cp = 1 its last chunk's final-state terms are dropped
     unless they share a storage with earlier chunks' (a per-call constant then, not one at a single chunk)."""
     from cp_models import set_context_parallel_attributes
-    from cp_models.nemotron_h import NemotronHMamba2Mixer
+    from cp_models.nemotron_h_mamba import NemotronHMamba2Mixer
 
     config = tiny_nemotron_h_config()
     torch.manual_seed(0)

@@ -8,7 +8,8 @@ from cp_models.context_parallel import (
 )
 from cp_models.families import FAMILIES, ModelFamily, family_for
 from cp_models.loss import CausalLMOutput, token_log_probs
-from cp_models.nemotron_h import MambaCPStyle, NemotronHForCausalLM, load_nemotron_h_config
+from cp_models.nemotron_h import NemotronHForCausalLM, load_nemotron_h_config
+from cp_models.nemotron_h_mamba import MambaCPStyle
 from cp_models.qwen3_5 import Qwen35ForCausalLM, load_text_config
 
 __version__ = "0.1.0"

@@ -1,6 +1,6 @@
 """Nemotron-H (hybrid Mamba-2 / attention / MLP / MoE) with context parallelism, HF-checkpoint compatible.
 
-One readable file in the manner of transformers' modeling files. Parameter names match transformers'
+The modeling file in the manner of transformers', with the Mamba-2 mixer beside it. Parameter names match transformers'
 ``NemotronHForCausalLM`` in memory; checkpoints are read and written in the layout transformers itself saves
 (``backbone.`` prefix, one tensor per expert), so a checkpoint saved by transformers loads directly and
 :meth:`NemotronHForCausalLM.save_pretrained` writes one transformers loads back.
@@ -9,14 +9,7 @@ Every block is ``x + mixer(RMSNorm(x))`` with one mixer chosen by ``config.layer
 ``hybrid_override_pattern``: M = Mamba-2, * = attention, - = MLP, E = MoE). Forward takes this rank's tokens of
 one packed row and the row's global document lengths. Attention runs Ulysses, all-gathered or ring-passed KV
 (cp_core.context_parallel_attention, chosen by set_context_parallel_attributes). Mamba-2 runs one of two CP
-strategies, chosen per model with ``mamba_cp_style``:
-
-- ``"state_passing"``: stay sequence-sharded; the conv gets the previous rank's last ``W-1`` inputs
-  (cp_core.causal_conv1d_cp) and the SSD scan gets its initial state from the previous rank (cp_core.ssd_cp).
-  No head or group constraint; traffic per layer independent of the sequence length.
-- ``"a2a"``: head-parallel; one all-to-all takes x, B, C and dt to ``[S, heads/cp]``, conv and scan run over
-  the whole row for this rank's heads (parameters sliced at run time), one all-to-all brings y back. Needs
-  ``cp | mamba_num_heads`` and ``cp | n_groups`` or ``n_groups | cp`` (groups replicated).
+strategies, chosen per model with ``mamba_cp_style`` (:mod:`cp_models.nemotron_h_mamba`).
 """
 
 from __future__ import annotations
@@ -26,7 +19,6 @@ import functools
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torch.nn as nn
@@ -38,23 +30,15 @@ from cp_core import (
     CPTopology,
     PackedRowMetadata,
     RecurrentBackend,
-    causal_conv1d,
-    causal_conv1d_cp,
-    heads_to_sequence,
-    ssd,
-    ssd_cp,
 )
-from cp_core.head_parallel import check_head_parallel, fused_sequence_to_heads, local_groups, local_heads
-from cp_core.numerics import upcast
-from cp_models.context_parallel import ContextParallelAttention, ContextParallelModule
+from cp_models.activations import ReLUSquared, activation
+from cp_models.context_parallel import ContextParallelAttention
 from cp_models.feed_forward import combine_expert_outputs, expert_slot_groups, sort_by_expert, squared_relu_linear
 from cp_models.hf_checkpoint import load_hf_checkpoint, strip_prefixes, unwrapped_names, write_safetensors
 from cp_models.loss import CausalLMOutput, causal_lm_output
-from cp_models.norms import GatedRMSNorm
+from cp_models.nemotron_h_mamba import MambaCPStyle, NemotronHMamba2Mixer
 from cp_models.row_inputs import build_row_metadata, embed_row, validated_row_inputs
 
-MambaCPStyle = Literal["state_passing", "a2a"]
-MAMBA_CP_STYLES: tuple[str, ...] = ("state_passing", "a2a")
 MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 
 
@@ -68,35 +52,6 @@ def load_nemotron_h_config(path_or_config):
     if config.model_type != "nemotron_h":
         raise ContextParallelError(f"not a Nemotron-H config: model_type={config.model_type!r}")
     return config
-
-
-class ReLUSquared(nn.Module):
-    """``relu(x)^2`` (transformers' ``"relu2"``, the MLP and expert activation of the released models)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.relu(x).square()
-
-
-# The activations configs use, with transformers' semantics; importing transformers.activations costs seconds
-# (it pulls in the hub-kernel machinery), so anything else is looked up there only when a config asks for it.
-_ACTIVATIONS = {
-    "relu2": ReLUSquared,
-    "relu": nn.ReLU,
-    "silu": nn.SiLU,
-    "swish": nn.SiLU,
-    "gelu": nn.GELU,
-    "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh"),
-    "tanh": nn.Tanh,
-    "sigmoid": nn.Sigmoid,
-}
-
-
-def _activation(name: str) -> nn.Module:
-    if name in _ACTIVATIONS:
-        return _ACTIVATIONS[name]()
-    from transformers.activations import ACT2FN
-
-    return ACT2FN[name]
 
 
 class NemotronHRMSNorm(nn.Module):
@@ -115,175 +70,6 @@ class NemotronHRMSNorm(nn.Module):
 
 # ----------------------------------------------------------------------------------------------------------
 # Token mixers
-
-
-def _time_step_limit(config) -> tuple[float, float]:
-    """``config.time_step_limit`` as ``(low, high)``: the bounds every Mamba layer clamps its time steps to."""
-    try:
-        limit = tuple(float(v) for v in config.time_step_limit)
-    except (TypeError, ValueError):
-        limit = ()
-    if len(limit) != 2 or not 0.0 <= limit[0] <= limit[1]:
-        raise ContextParallelError(
-            f"time_step_limit={config.time_step_limit!r} must be [low, high] with 0 <= low <= high "
-            "(the released configs use [0.0, inf])"
-        )
-    return limit
-
-
-class NemotronHMamba2Mixer(ContextParallelModule):
-    """Mamba-2: in_proj -> (z, x|B|C, dt); causal depthwise conv over x|B|C; SSD scan with D skip; RMSNorm of
-    ``y * silu(z)`` in groups of ``intermediate / n_groups``; out_proj.
-
-    ``dt = clamp(softplus(dt + dt_bias), *time_step_limit)``, as transformers >= 5.25 and mamba-ssm's ``dt_limit``
-    do (``(0, inf)``, the released configs' value, clamps nothing); ``time_step_min`` and ``time_step_max`` only
-    shape the initialization of ``dt_bias``. transformers 5.17-5.24 clamp to ``(time_step_min, inf)`` instead.
-    """
-
-    def __init__(self, config, recurrent_backend: RecurrentBackend = "auto", cp_style: MambaCPStyle = "state_passing"):
-        super().__init__()
-        if cp_style not in MAMBA_CP_STYLES:
-            raise ContextParallelError(f"unknown mamba_cp_style {cp_style!r}; choose one of {MAMBA_CP_STYLES}")
-        self.num_heads, self.head_dim = config.mamba_num_heads, config.mamba_head_dim
-        self.n_groups, self.state_size = config.n_groups, config.ssm_state_size
-        self.intermediate_size = self.num_heads * self.head_dim
-        if self.num_heads % self.n_groups:
-            raise ContextParallelError(
-                f"mamba_num_heads={self.num_heads} must be a multiple of n_groups={self.n_groups}"
-            )
-        self.conv_dim = self.intermediate_size + 2 * self.n_groups * self.state_size
-        self.time_step_limit = _time_step_limit(config)
-        self.recurrent_backend, self.cp_style = recurrent_backend, cp_style
-        # silu is fused into the conv primitives; any other activation is applied after a linear conv.
-        act = config.mamba_hidden_act
-        self.conv_activation = "silu" if act in ("silu", "swish") else None
-        self.post_conv_act = None if self.conv_activation else _activation(act)
-
-        self.dt_bias = nn.Parameter(torch.ones(self.num_heads))
-        self.A_log = nn.Parameter(torch.log(torch.arange(1, self.num_heads + 1, dtype=torch.float32)))
-        self.D = nn.Parameter(torch.ones(self.num_heads))
-        width = config.conv_kernel
-        self.conv1d = nn.Conv1d(
-            self.conv_dim, self.conv_dim, width, groups=self.conv_dim, padding=width - 1, bias=config.use_conv_bias
-        )
-        self.in_proj = nn.Linear(
-            config.hidden_size, self.intermediate_size + self.conv_dim + self.num_heads, bias=config.use_bias
-        )
-        self.norm = GatedRMSNorm(
-            self.intermediate_size,
-            eps=config.layer_norm_epsilon,
-            group_size=self.intermediate_size // self.n_groups,
-            norm_before_gate=False,
-            backend=recurrent_backend,
-        )
-        self.out_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.use_bias)
-
-    def check_context_parallel(self, cp_size: int) -> None:
-        if self.cp_style == "a2a":
-            check_head_parallel(self.num_heads, self.n_groups, cp_size, what="Mamba-2 head-parallel (a2a) CP")
-
-    def forward(self, hidden: torch.Tensor, meta: PackedRowMetadata) -> torch.Tensor:
-        t = hidden.size(0)
-        gate, xbc, dt = self.in_proj(hidden).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
-        if self.cp_style == "a2a" and self.cp_topology.enabled:
-            y = self._head_parallel(xbc, dt, meta)
-        else:
-            y = self._sequence_parallel(xbc, dt, meta)
-        # The gated norm runs here, on this rank's tokens at full width, under both strategies: its groups span
-        # intermediate/n_groups channels, which a rank's heads cover only partly when n_groups < cp, so the
-        # head-parallel layout could not normalize exactly. Done here it is exact, and z never travels.
-        y = self.norm(y.reshape(t, self.intermediate_size), gate)
-        return self.out_proj(y)
-
-    def _activate(self, xbc: torch.Tensor) -> torch.Tensor:
-        return xbc if self.post_conv_act is None else self.post_conv_act(xbc)
-
-    def _discretize(self, dt: torch.Tensor, heads: slice) -> tuple[torch.Tensor, torch.Tensor]:
-        """(dt [T, h], A [h]) of the given heads, in fp32 (fp64 stays fp64)."""
-        dt = F.softplus(upcast(dt) + upcast(self.dt_bias[heads]))
-        low, high = self.time_step_limit
-        return torch.clamp(dt, min=low, max=high), -torch.exp(upcast(self.A_log[heads]))
-
-    def _sequence_parallel(self, xbc: torch.Tensor, dt: torch.Tensor, meta: PackedRowMetadata) -> torch.Tensor:
-        """Sequence-sharded: conv halo + SSD state passing. Returns y [T, H, P]."""
-        t, groups_width = xbc.size(0), self.n_groups * self.state_size
-        xbc = causal_conv1d_cp(
-            xbc,
-            self.conv1d.weight.squeeze(1),
-            self.conv1d.bias,
-            meta,
-            self.cp_topology,
-            activation=self.conv_activation,
-            backend=self.recurrent_backend,
-        )
-        x, B, C = self._activate(xbc).split([self.intermediate_size, groups_width, groups_width], dim=-1)
-        dt, A = self._discretize(dt, slice(None))
-        return ssd_cp(
-            x.reshape(t, self.num_heads, self.head_dim),
-            dt,
-            A,
-            B.reshape(t, self.n_groups, self.state_size),
-            C.reshape(t, self.n_groups, self.state_size),
-            meta,
-            self.cp_topology,
-            D=self.D,
-            backend=self.recurrent_backend,
-        )
-
-    def _head_parallel(self, xbc: torch.Tensor, dt: torch.Tensor, meta: PackedRowMetadata) -> torch.Tensor:
-        """Head-parallel: one all-to-all to [S, heads/cp], conv + SSD over the whole row, one all-to-all back."""
-        topology = self.cp_topology
-        t, groups_width = xbc.size(0), self.n_groups * self.state_size
-        x, B, C = xbc.split([self.intermediate_size, groups_width, groups_width], dim=-1)
-        # B and C are replicated before the exchange when n_groups < cp (each rank gets the group its heads read).
-        x, B, C, dt = fused_sequence_to_heads(
-            [
-                x.reshape(t, self.num_heads, self.head_dim),
-                B.reshape(t, self.n_groups, self.state_size),
-                C.reshape(t, self.n_groups, self.state_size),
-                dt.reshape(t, self.num_heads, 1),
-            ],
-            topology,
-            replicate=[False, True, True, False],
-        )
-        s, local_h, local_g = x.size(0), x.size(1), B.size(1)
-        heads, groups = local_heads(self.num_heads, topology), local_groups(self.n_groups, topology)
-        # This rank's conv channels: its heads' x channels, its groups' B and C channels.
-        p, n, i = self.head_dim, self.state_size, self.intermediate_size
-        channels = [
-            slice(heads.start * p, heads.stop * p),
-            slice(i + groups.start * n, i + groups.stop * n),
-            slice(i + groups_width + groups.start * n, i + groups_width + groups.stop * n),
-        ]
-        weight = self.conv1d.weight.squeeze(1)
-        bias = self.conv1d.bias
-        local = torch.cat([x.reshape(s, -1), B.reshape(s, -1), C.reshape(s, -1)], dim=-1)
-        bounds = meta.kernel_bounds(local.device).row  # the row's, built once per forward for every layer
-        # The whole row is here: a plain conv with the global document boundaries (no halo).
-        local = causal_conv1d(
-            local,
-            torch.cat([weight[c] for c in channels]),
-            None if bias is None else torch.cat([bias[c] for c in channels]),
-            self.conv_activation,
-            seq_lens=meta.seq_lens,
-            backend=self.recurrent_backend,
-            bounds=bounds,
-        )
-        x, B, C = self._activate(local).split([local_h * p, local_g * n, local_g * n], dim=-1)
-        dt, A = self._discretize(dt.reshape(s, local_h), heads)
-        y, _ = ssd(
-            x.reshape(s, local_h, p),
-            dt,
-            A,
-            B.reshape(s, local_g, n),
-            C.reshape(s, local_g, n),
-            seq_lens=meta.seq_lens,
-            D=self.D[heads],
-            backend=self.recurrent_backend,
-            bounds=bounds,
-            final_states="last",  # unused: spares mamba-ssm's path the earlier documents' closed forms
-        )
-        return heads_to_sequence(y, topology)
 
 
 class NemotronHAttention(ContextParallelAttention):
@@ -322,7 +108,7 @@ class NemotronHMLP(nn.Module):
         inter = intermediate_size or config.intermediate_size
         self.up_proj = nn.Linear(config.hidden_size, inter, bias=config.mlp_bias)
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=config.mlp_bias)
-        self.act_fn = _activation(config.mlp_hidden_act)
+        self.act_fn = activation(config.mlp_hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.act_fn, ReLUSquared):  # relu(x)^2 recomputed in backward, not kept
@@ -382,7 +168,7 @@ class NemotronHExperts(nn.Module):
         dim = config.moe_latent_size or config.hidden_size
         self.up_proj = nn.Parameter(torch.empty(self.num_experts, inter, dim))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, dim, inter))
-        self.act_fn = _activation(config.mlp_hidden_act)
+        self.act_fn = activation(config.mlp_hidden_act)
 
     def _grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         order, counts = sort_by_expert(experts, self.num_experts)
