@@ -75,17 +75,17 @@ def _data_change(cfg) -> list[str]:
         return []
     try:
         from sft_trainer.data import load_image_processor, store_options
-        from sft_trainer.data.lookup import data_fingerprint
+        from sft_trainer.data.lookup import locate_store
         from sft_trainer.tokenizer_fit import load_tokenizer
 
         processor = load_image_processor(cfg.processor_path) if cfg.vision_language and cfg.processor_path else None
-        fingerprint = data_fingerprint(
+        fingerprint = locate_store(
             cfg.data_path,
             load_tokenizer(cfg.tokenizer_path),
             cfg.data.seq_len,
             image_processor=processor,
             **store_options(cfg.data),
-        )
+        ).fingerprint
     except Exception:  # whatever fails here fails again in the workers, which say it in one line
         return []
     problem = data_change_problem(cfg, fingerprint)

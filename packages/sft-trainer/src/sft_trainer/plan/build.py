@@ -241,7 +241,7 @@ def _data_packing(cfg) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from sft_trainer.data import store_options
-    from sft_trainer.data.lookup import cached_packing
+    from sft_trainer.data.lookup import locate_store
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
@@ -250,9 +250,9 @@ def _data_packing(cfg) -> dict[str, Any]:
             from sft_trainer.data import load_image_processor
 
             processor = load_image_processor(cfg.processor_path)
-        return cached_packing(
+        return locate_store(
             cfg.data_path, tokenizer, cfg.data.seq_len, image_processor=processor, **store_options(cfg.data)
-        )
+        ).packing()
     except Exception as exc:  # the run reports data problems with their file and row; the plan only notes them
         return {"error": f"{type(exc).__name__}: {exc}"}
 
