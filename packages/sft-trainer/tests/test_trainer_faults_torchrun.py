@@ -207,3 +207,24 @@ def test_of_ranks_failing_together_the_first_claim_alone_speaks(monkeypatch):
     stream = io.StringIO()
     monkeypatch.setattr(sys, "stderr", stream)
     assert not job_failure.say_once("sft-train: rank 9: late", clients[0]) and stream.getvalue() == ""
+
+
+def test_a_rank_that_lost_the_claim_stays_until_the_line_is_said(monkeypatch):
+    """Leaving at once would end the job before the winner speaks (torchrun stops the other ranks): the loser waits
+    for the winner's mark, at most SAID_WAIT_S, and leaves as soon as the mark is there."""
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.delenv(job_failure.LAUNCHER_DIR_ENV, raising=False)
+    monkeypatch.setattr(job_failure, "SAID_WAIT_S", 1.5)
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    winner, loser = (dist.TCPStore("127.0.0.1", server.port, is_master=False) for _ in range(2))
+    assert job_failure.claim("sft-train: rank 0: bad", winner)
+    started = time.monotonic()
+    assert not job_failure.say_once("sft-train: rank 1: bad", loser)
+    assert 1.4 <= time.monotonic() - started < 3.0  # no mark yet: waited its whole bound
+    threading.Timer(0.3, job_failure._mark_said, args=(winner,)).start()
+    started = time.monotonic()
+    assert not job_failure.say_once("sft-train: rank 1: bad", loser)
+    assert 0.25 <= time.monotonic() - started < 1.2  # left once the winner marked its line said
+    assert sys.stderr.getvalue() == ""

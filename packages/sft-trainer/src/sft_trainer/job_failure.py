@@ -24,6 +24,7 @@ from typing import Any
 LAUNCHER_DIR_ENV = "SFT_TRAIN_LAUNCHER_DIR"  # set by sft-torchrun: the folder its local workers report into
 STORE_ENV = "SFT_TRAIN_STORE"  # "host:port" of the store the local launcher hosts for its spawned workers
 STORE_TIMEOUT_S = 10.0
+SAID_WAIT_S = 5.0  # how long a rank that lost the claim waits for the winner's line
 READ_GRACE_S = 1.0  # after the claim, long enough for every launcher's watcher (4 reads a second) to see it
 _stores: dict[str, Any] = {}  # this process's client of the job's store, once connected
 
@@ -70,13 +71,39 @@ def claim(line: str, store=None) -> bool:
         return True
 
 
+def _mark_said(store=None) -> None:
+    """Tell the ranks that lost the claim that the line is out: they may leave now."""
+    store = store if store is not None else job_store()
+    if store is not None:
+        with contextlib.suppress(Exception):
+            store.set(f"{key_prefix()}said", "1")
+
+
+def _wait_until_said(store=None) -> None:
+    """A rank that lost the claim stays until the winner has said its line (at most ``SAID_WAIT_S``): leaving at
+    once would end the job, and torchrun would stop the winner before it speaks."""
+    store = store if store is not None else job_store()
+    if store is None:
+        return
+    deadline = time.monotonic() + SAID_WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            if store.check([f"{key_prefix()}said"]):
+                return
+        except Exception:  # the store is gone: nobody is left to wait for
+            return
+        time.sleep(0.05)
+
+
 def say_once(line: str, store=None) -> bool:
-    """Print ``line`` (under sft-torchrun: hand it to the launcher) when it is the job's first failure."""
+    """Print ``line`` (under sft-torchrun: hand it to the launcher) when it is the job's first failure; otherwise
+    wait until the rank that claimed it has said its own."""
     if not claim(line, store):
+        _wait_until_said(store)
         return False
-    if _hand_to_launcher(line):
-        return True
-    print(line, file=sys.stderr, flush=True)
+    if not _hand_to_launcher(line):
+        print(line, file=sys.stderr, flush=True)
+    _mark_said(store)
     return True
 
 
@@ -86,10 +113,12 @@ def report_exception(exc: BaseException) -> None:
     first_line = (str(exc).strip().splitlines() or [""])[0][:300]
     line = f"sft-train: rank {os.environ.get('RANK', '?')} failed: {type(exc).__name__}: {first_line}"
     if not claim(line):
+        _wait_until_said()
         return
     traceback.print_exception(exc)
     sys.stderr.flush()
     _hand_to_launcher(line)  # under sft-torchrun the launcher says the line after the traceback
+    _mark_said()
 
 
 def announce_store() -> None:
