@@ -12,7 +12,6 @@ from cp_core import build_packed_metadata, cu_seqlens_from_lens
 from cp_core.chunking import build_chunk_layout
 from cp_core.document_bounds import FLA_CHUNK, build_document_bounds, build_row_bounds, chunk_indices_from_lens
 from cp_core.gated_delta import chunk_gated_delta_rule_torch
-from cp_core.recurrent_backends import document_index, fla_varlen_kwargs
 
 CASES = [[1], [64], [65], [37, 64, 90, 1], [128, 3, 200, 64, 5]]
 
@@ -31,7 +30,7 @@ def _chunks_of_layout(lens) -> torch.Tensor:
 @pytest.mark.parametrize("lens", CASES)
 def test_bounds_hold_what_the_kernels_were_given_per_call(lens):
     bounds = build_document_bounds(lens, "cpu")
-    old_cu = cu_seqlens_from_lens(lens)  # what fla_varlen_kwargs and the attention path built per call
+    old_cu = cu_seqlens_from_lens(lens)  # cu_seqlens as built from the lengths alone
     assert bounds.seq_lens == tuple(lens) and bounds.max_seqlen == max(lens) and bounds.num_tokens == sum(lens)
     assert bounds.cu_seqlens.dtype == torch.int64 and torch.equal(bounds.cu_seqlens, old_cu.long())
     assert bounds.cu_seqlens_cpu.device.type == "cpu" and torch.equal(bounds.cu_seqlens_cpu, old_cu.long())
@@ -53,13 +52,14 @@ def test_chunk_indices_by_hand():
     assert chunk_indices_from_lens([10, 40], chunk_size=16).tolist() == [[0, 0], [1, 0], [1, 1], [1, 2]]
 
 
-def test_per_call_helpers_keep_their_results():
+def test_fla_arguments_and_document_index():
     lens = [5, 64, 3]
-    kwargs = fla_varlen_kwargs(lens, torch.device("cpu"))
+    bounds = build_document_bounds(lens, torch.device("cpu"))
+    kwargs = bounds.fla_kwargs(chunk_indices=False)
     assert kwargs.keys() == {"cu_seqlens", "cu_seqlens_cpu"}
     assert torch.equal(kwargs["cu_seqlens"], torch.tensor([0, 5, 69, 72])) and kwargs["cu_seqlens"].dtype == torch.int64
     assert torch.equal(kwargs["cu_seqlens_cpu"], kwargs["cu_seqlens"])
-    assert document_index(lens, torch.device("cpu")).tolist() == [[0] * 5 + [1] * 64 + [2] * 3]
+    assert bounds.seq_idx.tolist() == [[0] * 5 + [1] * 64 + [2] * 3]
 
 
 def test_metadata_builds_the_row_bounds_once_and_shares_them():

@@ -17,7 +17,6 @@ from typing import Literal
 
 import torch
 
-from cp_core.document_bounds import build_document_bounds
 from cp_core.errors import ContextParallelError
 
 RecurrentBackend = Literal["auto", "torch", "fla", "mamba_ssm"]
@@ -74,16 +73,3 @@ def resolve_recurrent_backend(backend: str, x: torch.Tensor, op: KernelOp = "gat
             "use recurrent_backend 'auto' or 'torch'"
         )
     return backend
-
-
-def fla_varlen_kwargs(seq_lens, device: torch.device) -> dict[str, torch.Tensor]:
-    """fla's varlen arguments for documents ``seq_lens``: int64 ``cu_seqlens`` on the device plus its CPU copy
-    (spares fla a device read). Builds them anew: layers take them from the row's
-    :class:`~cp_core.document_bounds.RowBounds` instead, built once per row."""
-    return build_document_bounds(seq_lens, device).fla_kwargs(chunk_indices=False)
-
-
-def document_index(seq_lens, device: torch.device) -> torch.Tensor:
-    """int32 [1, T]: each token's document number (mamba-ssm's and causal-conv1d's ``seq_idx``), built anew (see
-    :func:`fla_varlen_kwargs`)."""
-    return build_document_bounds(seq_lens, device).seq_idx
