@@ -61,9 +61,11 @@ def reduce_gradients(params: list[torch.nn.Parameter], group: dist.ProcessGroup 
 
 def global_token_count(labels_rows: list[torch.Tensor], dp_group: dist.ProcessGroup | None, device) -> int:
     """Loss tokens of this step over every micro-batch of every dp replica (rows are whole on every cp rank)."""
-    count = torch.tensor([sum(int((row >= 0).sum()) for row in labels_rows)], dtype=torch.int64, device=device)
-    if dp_group is not None and dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(count, group=dp_group)
+    local = sum(int((row >= 0).sum()) for row in labels_rows)  # the rows are host tensors: no device sync
+    if dp_group is None or dist.get_world_size(dp_group) == 1:
+        return local
+    count = torch.tensor([local], dtype=torch.int64, device=device)
+    dist.all_reduce(count, group=dp_group)
     return int(count.item())
 
 
