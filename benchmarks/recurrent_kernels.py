@@ -144,17 +144,20 @@ def main() -> None:
                     continue
                 leaves = {k: v.clone().requires_grad_() for k, v in bf16.items()}
                 started = time.perf_counter()
-                try:
+                try:  # a kernel that fails (out of memory included, in the error columns too) gets its line
                     ms, out, grad = timed(functools.partial(run, kernel), leaves, args.reps, cuda)
-                except Exception as exc:  # a kernel that fails gets its line instead of losing the table
-                    rows.append(dict(op=op, kernel=kernel, seq_len=seq_len, error=f"{type(exc).__name__}: {exc}"[:300]))
-                    print(rows[-1], flush=True)
-                    continue
-                rows.append(dict(op=op, kernel=kernel, seq_len=seq_len, ms=ms,
-                                 first_call_s=time.perf_counter() - started - ms * (args.reps + 2) / 1000,
-                                 out_err=relative_l2(out, ref_out), grad_err=relative_l2(grad, ref_grad)))  # fmt: skip
-                print(rows[-1], flush=True)
+                    first_call_s = time.perf_counter() - started - ms * (args.reps + 2) / 1000
+                    row = dict(op=op, kernel=kernel, seq_len=seq_len, ms=ms, first_call_s=first_call_s,
+                               out_err=relative_l2(out, ref_out), grad_err=relative_l2(grad, ref_grad))  # fmt: skip
+                except Exception as exc:
+                    row = dict(op=op, kernel=kernel, seq_len=seq_len, error=f"{type(exc).__name__}: {exc}"[:300])
+                rows.append(row)
+                print(row, flush=True)
                 write()
+                del leaves
+                out = grad = None
+                if cuda:
+                    torch.cuda.empty_cache()
             del inputs, ref_leaves, ref_out, ref_grad
             if cuda:
                 torch.cuda.empty_cache()

@@ -23,7 +23,8 @@ RecurrentBackend = Literal["auto", "torch", "fla", "mamba_ssm"]
 RECURRENT_BACKENDS: tuple[str, ...] = ("auto", "torch", "fla", "mamba_ssm")
 KernelOp = Literal["conv", "ssd", "gated_delta", "norm"]
 
-# Per op, the kernels "auto" tries in order on CUDA tensors (then torch); measured in recurrent_kernels.md.
+# Per op, the kernels "auto" tries in order on CUDA tensors (then torch): the fastest first by
+# docs/benchmarks/recurrent_kernels.md (fla ahead of causal-conv1d and mamba-ssm at 8k-128k on H100).
 AUTO_ORDER: dict[str, tuple[str, ...]] = {
     "conv": ("fla", "mamba_ssm"),
     "ssd": ("fla", "mamba_ssm"),
