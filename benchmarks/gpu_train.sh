@@ -6,8 +6,10 @@
 #                                        # resume, HF export vs transformers' logits, the model step for comparison
 #   bash benchmarks/gpu_train.sh 32k     # 0.8B at 32k (checkpointing, FSDP2, LoRA), the model step; 2B at 32k
 #   bash benchmarks/gpu_train.sh more    # Nemotron-H Nano (8 layers) at 32k, the tiny VL preset, 0.8B 32k eager
-#   BUDGET_S=380 bash benchmarks/gpu_train.sh final  # on a cold machine: 0.8B 8k against the model step,
+#   BUDGET_S=540 bash benchmarks/gpu_train.sh final  # on a cold machine: the 0.8B 8k run's cold first step,
 #                                        # transformers' logits against ours (float32 reference), Nano 8l at 32k
+#   bash benchmarks/gpu_train.sh compare # after `final`, alone on the warm machine: the 0.8B 8k run (20 steps)
+#                                        # against the model step
 # Each run is `torchrun --standalone --nproc-per-node 1 -m sft_trainer.run` (what a user starts on a CUDA box) with
 # model.path a folder written by transformers' save_pretrained. Every run's log and metrics.jsonl come back in
 # $OUT/runs-PART.tgz; `python benchmarks/sft_train_runs.py` turns them into docs/benchmarks/sft_train_gpu.md.
@@ -63,8 +65,8 @@ case "$PART" in
     timeout 120 python3 benchmarks/export_logits.py --export "$WORK/out/r08_8k_fsdp/hf" --out "$RUNS/export" 2>&1 | tail -4
     rm -rf "$WORK/out"
     train r08_8k_ac 100 qwen3_5-0.8b 8192 10 --parallel.fsdp false --model.activation_checkpointing true
-    mkdir -p "$RUNS/step"
-    timeout 150 python3 benchmarks/model_step.py --out "$RUNS/step" --shapes qwen3_5-0.8b --seq-lens 8192 --reps 5 \
+    mkdir -p "$RUNS/step_ac"
+    timeout 150 python3 benchmarks/model_step.py --out "$RUNS/step_ac" --shapes qwen3_5-0.8b --seq-lens 8192 --reps 5 \
       --limit-s 60 --variants cp_models "cp_models + act. ckpt" 2>&1 | grep -E "^\||built"
     ;;
   32k)
@@ -89,17 +91,23 @@ case "$PART" in
     long_docs 8192
     timeout 240 python3 benchmarks/export_logits.py --export "$WORK/ckpt/qwen3_5-0.8b" \
       --out "$RUNS/logits_qwen3_5-0.8b" > "$RUNS/logits_qwen.log" 2>&1 &
-    train r08_8k "$(left 300)" qwen3_5-0.8b 8192 10 --parallel.fsdp false
+    train r08_8k_cold "$(left 300)" qwen3_5-0.8b 8192 10 --parallel.fsdp false
     wait
     grep -vE "Writing|Warning|warn" "$RUNS/logits_qwen.log" | tail -4
-    mkdir -p "$RUNS/step"
-    timeout "$(left 80)" python3 benchmarks/model_step.py --out "$RUNS/step" --shapes qwen3_5-0.8b --seq-lens 8192 \
-      --reps 3 --limit-s 60 --variants cp_models 2>&1 | grep -E "^\||built"
     rm -rf "$WORK/out"
     checkpoint nemotron_h-nano-8l
     long_docs 32768
     train nano8l_32k_ac "$(left 300)" nemotron_h-nano-8l 32768 6 --parallel.fsdp false \
       --model.activation_checkpointing true
+    ;;
+  compare)  # warm machine, nothing else running: the trainer's 8k step against the model step, same call
+    checkpoint qwen3_5-0.8b
+    long_docs 8192
+    train r08_8k 150 qwen3_5-0.8b 8192 20 --parallel.fsdp false
+    rm -rf "$WORK/out"
+    mkdir -p "$RUNS/step"
+    timeout 120 python3 benchmarks/model_step.py --out "$RUNS/step" --shapes qwen3_5-0.8b --seq-lens 8192 \
+      --reps 10 --limit-s 60 --variants cp_models 2>&1 | grep -E "^\||built"
     ;;
   more)
     checkpoint nemotron_h-nano-8l

@@ -16,12 +16,13 @@ import re
 import statistics
 from pathlib import Path
 
-# trainer run -> the model_step.py variant with the same work (one 0.8B row, bf16, no FSDP)
+# trainer run -> (folder of the model_step.py run made in the same call, its shape, variant and S): the same work
+# (one 0.8B row, bf16, no FSDP)
 SAME_WORK = {
-    "r08_8k": ("qwen3_5-0.8b", "cp_models", 8192),
-    "r08_8k_ac": ("qwen3_5-0.8b", "cp_models + act. ckpt", 8192),
-    "r08_32k": ("qwen3_5-0.8b", "cp_models", 32768),
-    "r08_32k_ac": ("qwen3_5-0.8b", "cp_models + act. ckpt", 32768),
+    "r08_8k": ("step", "qwen3_5-0.8b", "cp_models", 8192),
+    "r08_8k_ac": ("step_ac", "qwen3_5-0.8b", "cp_models + act. ckpt", 8192),
+    "r08_32k": ("step32", "qwen3_5-0.8b", "cp_models", 32768),
+    "r08_32k_ac": ("step32", "qwen3_5-0.8b", "cp_models + act. ckpt", 32768),
 }
 
 
@@ -47,12 +48,16 @@ def read_run(folder: Path) -> dict | None:
     return run
 
 
-def model_steps(runs: Path) -> dict[tuple[str, str, int], dict]:
+def exit_status(run: dict) -> str:
+    return "-" if run["exit"] is None else str(run["exit"])  # "-": the log has no exit line
+
+
+def model_steps(runs: Path) -> dict[tuple[str, str, str, int], dict]:
     rows = {}
     for file in runs.glob("*/model_step.json"):
         for row in json.loads(file.read_text())["rows"]:
             if row.get("status") == "ok":
-                rows[(row["shape"], row["variant"], row["seq_len"])] = row
+                rows[(file.parent.name, row["shape"], row["variant"], row["seq_len"])] = row
     return rows
 
 
@@ -75,12 +80,12 @@ def tables(runs: Path, command: str) -> str:
     for r in found:
         if not r["records"]:
             lines.append(
-                f"| {r['name']} | {r['shape']} | {r['seq_len']} | {r['options']} | {r['exit']} | - | - | - | - | - |"
+                f"| {r['name']} | {r['shape']} | {r['seq_len']} | {r['options']} | {exit_status(r)} | - | - | - | - | - |"
             )
             continue
         loss = f"{r['records'][0]['loss']:.3f} -> {r['records'][-1]['loss']:.3f}"
         lines.append(
-            f"| {r['name']} | {r['shape']} | {r['seq_len'] or '-'} | {r['options'] or '-'} | {r['exit']} "
+            f"| {r['name']} | {r['shape']} | {r['seq_len'] or '-'} | {r['options'] or '-'} | {exit_status(r)} "
             f"| {r['first_s']:.1f} | {r['median_ms']:.0f} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.1f} | {loss} |"
         )
     steps = model_steps(runs)
@@ -98,7 +103,7 @@ def tables(runs: Path, command: str) -> str:
     for name, key in SAME_WORK.items():
         if name in by_name and key in steps and by_name[name].get("median_ms"):
             ours, ref = by_name[name]["median_ms"], steps[key]["ms"]
-            lines.append(f"| {name} | {key[1]} | {key[2]} | {ours:.0f} | {ref:.0f} | {ref / ours:.2f}x |")
+            lines.append(f"| {name} | {key[2]} | {key[3]} | {ours:.0f} | {ref:.0f} | {ref / ours:.2f}x |")
     if "r08_8k_fsdp" in by_name and "r08_8k_fsdp_resume" in by_name:
         full = {r["step"]: r for r in by_name["r08_8k_fsdp"]["records"]}
         lines += [
@@ -140,7 +145,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=Path, default=Path("docs/benchmarks/sft_train_gpu"))
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/sft_train_gpu.md"))
-    parser.add_argument("--command", default="bash benchmarks/gpu_train.sh 8k; ... 32k; ... more")
+    parser.add_argument(
+        "--command", default="bash benchmarks/gpu_train.sh 8k; ... 32k; ... more; ... final; ... compare"
+    )
     args = parser.parse_args()
     text = tables(args.runs, args.command)
     args.out.write_text(text)
