@@ -14,19 +14,18 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
 
 LAUNCHER_DIR_ENV = "SFT_TRAIN_LAUNCHER_DIR"  # set by sft-torchrun: the folder its local workers report into
 STORE_ENV = "SFT_TRAIN_STORE"  # "host:port" of the store the local launcher hosts for its spawned workers
 STORE_TIMEOUT_S = 10.0
 SAID_WAIT_S = 5.0  # how long a rank that lost the claim waits for the winner's line
 READ_GRACE_S = 1.0  # after the claim, long enough for every launcher's watcher (4 reads a second) to see it
-_stores: dict[str, Any] = {}  # this process's client of the job's store, once connected
 
 
 def restart_count() -> str:
@@ -40,24 +39,22 @@ def key_prefix(restart: str | None = None) -> str:
 
 def job_store():
     """This job's store, or None where no store outlives the workers (then each rank speaks for itself)."""
-    if "store" in _stores:
-        return _stores["store"]
-    address = None
     if os.environ.get(STORE_ENV):
         host, _, port = os.environ[STORE_ENV].rpartition(":")
-        address = (host, int(port))
-    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_PORT" in os.environ:
-        address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-    store = None
-    if address is not None:
-        try:
-            import torch.distributed as dist
+        return _store_at(host, int(port))
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_PORT" in os.environ:
+        return _store_at(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    return None
 
-            store = dist.TCPStore(*address, is_master=False, timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
-        except Exception:  # the store is gone (the agent ended): nobody else is left to speak
-            store = None
-    _stores["store"] = store
-    return store
+
+@functools.cache  # one client per store and process: a failing rank reaches it several times
+def _store_at(host: str, port: int):
+    try:
+        import torch.distributed as dist
+
+        return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+    except Exception:  # the store is gone (the agent ended): nobody else is left to speak
+        return None
 
 
 def claim(line: str, store=None) -> bool:
