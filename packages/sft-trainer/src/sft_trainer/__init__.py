@@ -22,19 +22,7 @@ _EXPORTS = {
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ConfigError",
-    "TrainConfig",
-    "build_model",
-    "build_plan",
-    "config_from_dict",
-    "create_model",
-    "estimate_memory",
-    "format_plan",
-    "load_config",
-    "main",
-    "parallelize_model",
-]
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:

@@ -101,39 +101,7 @@ _EXPORTS = {
     ),
 }
 
-__all__ = [
-    "IGNORE_INDEX",
-    "ROLES",
-    "Conversation",
-    "DataError",
-    "LoadedConversations",
-    "OnError",
-    "Overlong",
-    "PackResult",
-    "PackStats",
-    "PackedDataset",
-    "PackedRow",
-    "ReplicaRows",
-    "TokenizedConversation",
-    "VisionTokens",
-    "assistant_spans",
-    "build_training_rows",
-    "collate_packed",
-    "conversation_images",
-    "load_conversations",
-    "load_image",
-    "load_image_processor",
-    "load_processor",
-    "pack_examples",
-    "rows_for_rank",
-    "store_options",
-    "tiny_chat_path",
-    "tiny_tokenizer_dir",
-    "tiny_vl_chat_path",
-    "tiny_vl_processor_dir",
-    "tokenize_conversation",
-    "validate_messages",
-]
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
