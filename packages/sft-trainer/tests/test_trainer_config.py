@@ -108,6 +108,8 @@ def model_files(tmp_path: Path) -> dict[str, str]:
     paths["dir_q6"] = str(tmp_path / "q6")
     paths["dir_kv3"] = str(tmp_path / "kv3")  # config.json alone, no tokenizer
     paths["missing"] = str(tmp_path / "does_not_exist")
+    (tmp_path / "notes.txt").write_text("not a data file")
+    paths["text_file"] = str(tmp_path / "notes.txt")
     paths["vl_processor"] = str(SHIPPED_VL_PROCESSOR)
     return paths
 
@@ -312,6 +314,11 @@ INVALID = [
     ("model_path_missing", ["--model.path", "{missing}"], ["model.path=", "not a folder"]),
     ("model_config_not_json", ["--model.config", "{not_json}"], ["model.config=", "cannot read", "as JSON"]),
     ("data_path_missing", ["--data.path", "{missing}"], ["data.path=", "no such file or folder"]),
+    (
+        "data_path_unknown_type",
+        ["--data.path", "{text_file}"],
+        ["data.path=", "notes.txt", "unsupported data file type '.txt'", "use .jsonl, .json or .parquet"],
+    ),
     ("resume_path_missing", ["--checkpoint.resume", "{missing}"], ["checkpoint.resume=", "no such checkpoint"]),
     ("section_set_as_value", ["--train.lora", "3"], ["'train.lora' is a section", "enabled, rank"]),
     ("value_used_as_section", ["--model.path.x", "3"], ["'model.path' is a value, not a section"]),

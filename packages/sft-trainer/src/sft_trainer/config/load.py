@@ -97,12 +97,15 @@ def check_config(cfg: TrainConfig) -> list[str]:
         if not train.lora.targets:
             problems.append("train.lora.targets=[]: must name at least one linear layer when train.lora.enabled=true")
 
-    from sft_trainer.data.sources import needs_datasets
+    from sft_trainer.data.sources import file_type_problem, needs_datasets
 
     for field_name, value, kind in (
         ("data.path", cfg.data_path, "file or folder"),
         ("data.tokenizer", cfg.tokenizer_path, "folder"),
     ):
+        if field_name == "data.path" and (problem := file_type_problem(value)):
+            problems.append(f"data.path={value!r}: {problem}")
+            continue
         if field_name == "data.path" and needs_datasets(value):
             continue  # a hub id or a glob: the data loader reports it in one line when it cannot be read
         if not Path(value).exists():

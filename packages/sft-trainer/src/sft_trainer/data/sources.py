@@ -89,6 +89,14 @@ def reads_directly(path: str) -> bool:
     return False
 
 
+def file_type_problem(path: str) -> str | None:
+    """Why no reader takes the existing file ``path`` (its suffix), or None: said before any worker starts."""
+    local = Path(path)
+    if local.is_file() and local.suffix not in _LOAD_DATASET_SUFFIXES:
+        return f"unsupported data file type {local.suffix!r}; use .jsonl, .json or .parquet"
+    return None
+
+
 def needs_datasets(path: str) -> bool:
     """Whether ``path`` is loaded through ``datasets``: a ``save_to_disk`` folder, a ``.json`` file, a glob of
     data files, or a hub dataset id (``org/name``; a missing ``dir/file.jsonl`` is a missing file, not an id)."""
