@@ -315,6 +315,11 @@ INVALID = [
     ("model_config_not_json", ["--model.config", "{not_json}"], ["model.config=", "cannot read", "as JSON"]),
     ("data_path_missing", ["--data.path", "{missing}"], ["data.path=", "no such file or folder"]),
     (
+        "tokenizer_folder_without_tokenizer",
+        ["--data.tokenizer", "{dir_kv3}"],
+        ["data.tokenizer=", "kv3", "holds no tokenizer", "tokenizer.json", "save_pretrained"],
+    ),
+    (
         "data_path_unknown_type",
         ["--data.path", "{text_file}"],
         ["data.path=", "notes.txt", "unsupported data file type '.txt'", "use .jsonl, .json or .parquet"],

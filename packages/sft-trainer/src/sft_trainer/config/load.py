@@ -133,12 +133,17 @@ def check_config(cfg: TrainConfig) -> list[str]:
 
 def _check_tokenizer(cfg: TrainConfig) -> list[str]:
     """The tokenizer a checkpoint or config-file model trains with must fit it (presets take its vocabulary)."""
-    from sft_trainer.tokenizer_fit import holds_tokenizer, load_tokenizer, tokenizer_problems
+    from sft_trainer.tokenizer_fit import TOKENIZER_FILES, holds_tokenizer, load_tokenizer, tokenizer_problems
 
     model = cfg.model
+    folder = cfg.tokenizer_path
+    if cfg.data.tokenizer is not None and Path(folder).is_dir() and not holds_tokenizer(folder):
+        return [
+            f"data.tokenizer={folder!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): name the folder "
+            "a tokenizer was saved to (save_pretrained), or leave it unset (the checkpoint's tokenizer; a preset's shipped one)"
+        ]
     if model.path is None and model.config is None:
         return []
-    folder = cfg.tokenizer_path
     if cfg.data.tokenizer is None and model.path is not None:
         if not holds_tokenizer(model.path):
             return [
@@ -153,7 +158,8 @@ def _check_tokenizer(cfg: TrainConfig) -> list[str]:
     try:
         tokenizer = load_tokenizer(folder)
     except Exception as exc:
-        return [f"{field} does not load: {type(exc).__name__}: {exc}"]
+        reason = (str(exc).strip().splitlines() or [""])[0]
+        return [f"{field} does not load: {type(exc).__name__}: {reason}"]
     return tokenizer_problems(tokenizer, resolve_model_config(model), field, _model_source(model))
 
 
