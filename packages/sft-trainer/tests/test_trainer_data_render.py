@@ -173,6 +173,31 @@ def test_a_first_rendering_that_differs_switches_to_apply_chat_template(text_tok
     assert not renderer.direct
 
 
+def test_messages_of_plain_strings_skip_the_preparation_walk_with_the_same_renderings(text_tokenizer):
+    class Role(str):
+        pass
+
+    renderer = ChatRenderer(text_tokenizer)
+    reply = {"role": "assistant", "content": "ok", "reasoning_content": "think"}  # aliased either way
+    variants = [
+        [{"role": "user", "content": "hi"}, reply],
+        [{"role": "user", "content": "hi", "name": None}, reply],  # None fields are dropped: the walk
+        [{"role": Role("user"), "content": "hi"}, reply],  # a str subclass becomes a str: the walk
+    ]
+    for messages in variants:
+        prepared = renderer.prepare(messages)
+        assert prepared == [{"role": "user", "content": "hi"}, {"thinking": "think", **reply}]
+        for k, prompt in ((1, True), (2, False)):
+            want = text_tokenizer.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=prompt)
+            assert renderer.render(prepared[:k], prompt) == want
+    assert renderer._strings_as_is is True and renderer.direct
+    assert variants[0][1] == {
+        "role": "assistant",
+        "content": "ok",
+        "reasoning_content": "think",
+    }  # not aliased in place
+
+
 def test_the_template_still_runs_in_the_sandbox(text_tokenizer):
     tokenizer = copy.deepcopy(text_tokenizer)
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]

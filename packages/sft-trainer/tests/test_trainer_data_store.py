@@ -317,3 +317,41 @@ def test_plan_states_the_packing_efficiency_from_the_cache(tmp_path, tokenizer, 
     data = plan_main(args)["data"]
     assert data["cached"] and data["efficiency"] == dataset.efficiency and data["rows"] == len(dataset)
     assert f"packing efficiency {dataset.efficiency:.2%}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("batch_chars", [1, 1 << 30])  # a tokenizer call per row, or one for the whole file
+def test_batched_tokenization_keeps_rows_and_errors_in_order(tmp_path, monkeypatch, batch_chars):
+    """Rows are rendered one by one and tokenized in batches: the store holds what tokenize_conversation gives row
+    by row (text rows and rows with images, through the VL tokenizer), and a row refused while rendering and one
+    refused after tokenizing (its image file is missing) are reported in row order."""
+    monkeypatch.setattr(data_tokenize, "_BATCH_CHARS", batch_chars)
+    tokenizer, processor = load_processor(tiny_vl_processor_dir())
+    data = tmp_path / "vl"
+    shutil.copytree(tiny_vl_chat_path().parent, data)
+    lines = (data / "data.jsonl").read_text().splitlines()
+    missing = [{"type": "image", "image": "images/missing.png"}, {"type": "text", "text": "And this?"}]
+    bad_image = json.dumps(
+        {"messages": [{"role": "user", "content": missing}, {"role": "assistant", "content": "No."}]}
+    )
+    good = load_conversations(data / "data.jsonl")
+    for first, second, reported in ((bad_image, "{oops", "missing.png"), ("{oops", bad_image, "invalid JSON")):
+        path = data / f"d{len(reported)}.jsonl"
+        path.write_text("\n".join([*lines[:3], first, second, *lines[3:]]) + "\n")
+        with pytest.raises(DataError, match=rf"row 4: .*{reported}"):
+            open_token_store(path, tokenizer, cache_dir=tmp_path / "c", image_processor=processor, num_proc=1)
+        store = open_token_store(
+            path, tokenizer, cache_dir=tmp_path / "c", image_processor=processor, num_proc=1, on_error="skip"
+        )
+        assert [m.split(": ", 2)[1] for m in store.manifest["skip_reasons"]] == ["row 4", "row 5"]
+        a = _arrays(store)
+        assert a["doc_row"].tolist() == [c.row_number + 2 * (c.row_number > 3) for c in good]
+        with_images = 0
+        for d, c in enumerate(good):
+            doc = tokenize_conversation(tokenizer, c.messages, image_processor=processor, base_dir=data)
+            start, end = a["doc_offsets"][d], a["doc_offsets"][d + 1]
+            assert a["tokens"][start:end].tolist() == doc.input_ids
+            assert a["loss_mask"][start:end].tolist() == doc.loss_mask and a["doc_loss"][d] == sum(doc.loss_mask[1:])
+            images = a["image_spans"][a["image_offsets"][d] : a["image_offsets"][d + 1]]
+            assert [tuple(s) for s in images.tolist()] == list(doc.image_spans)
+            with_images += doc.num_images > 0
+        assert 0 < with_images < len(good) == store.manifest["counts"]["documents"]

@@ -146,6 +146,46 @@ def tokenize_conversation(
     do not match the grids, and placeholder tokens typed into the text. ``renderer``: as in
     :func:`assistant_spans` (one made for ``tokenizer`` and ``chat_template_kwargs`` is reused across calls).
     """
+    pieces = conversation_pieces(
+        tokenizer,
+        messages,
+        end_of_turn=end_of_turn,
+        chat_template_kwargs=chat_template_kwargs,
+        image_processor=image_processor,
+        vision_tokens=vision_tokens,
+        renderer=renderer,
+    )
+    encoded = encode_texts(tokenizer, pieces.texts)
+    return finish_conversation(pieces, encoded, image_processor, base_dir, image_paths_outside)
+
+
+@dataclass(frozen=True, eq=False)
+class ConversationPieces:
+    """A checked conversation rendered and cut at its reply boundaries, not yet tokenized."""
+
+    texts: list[str]
+    """The rendering in order, cut where replies start and end; no empty text."""
+    flags: list[int]
+    """1 for a reply's text (its tokens carry loss), else 0."""
+    images: list[tuple[str, Any]]
+    tokens: VisionTokens
+    ids: dict[str, int]
+    """The ids of ``tokens`` the tokenizer has."""
+
+
+def conversation_pieces(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    *,
+    end_of_turn: str | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    image_processor: Any = None,
+    vision_tokens: VisionTokens | None = None,
+    renderer: ChatRenderer | None = None,
+) -> ConversationPieces:
+    """The first half of :func:`tokenize_conversation`: its checks that need no tokens, the rendering and its
+    pieces. :func:`encode_texts` of the texts (of one or many conversations) and :func:`finish_conversation` give
+    its result."""
     if renderer is None:
         renderer = ChatRenderer(tokenizer, chat_template_kwargs)
     tokens = vision_tokens or VisionTokens()
@@ -171,27 +211,59 @@ def tokenize_conversation(
         vision_tokens=tokens,
         renderer=renderer,
     )
-    pieces: list[tuple[str, int]] = []
+    texts: list[str] = []
+    flags: list[int] = []
     cursor = 0
     for start, end in spans:
-        pieces.append((full[cursor:start], 0))
-        pieces.append((full[start:end], 1))
+        for text, flag in ((full[cursor:start], 0), (full[start:end], 1)):
+            if text:
+                texts.append(text)
+                flags.append(flag)
         cursor = end
-    pieces.append((full[cursor:], 0))
-    pieces = [(text, flag) for text, flag in pieces if text]
-    encoded = _encode_pieces(tokenizer, [text for text, _ in pieces])
+    if full[cursor:]:
+        texts.append(full[cursor:])
+        flags.append(0)
+    return ConversationPieces(texts, flags, images, tokens, ids)
+
+
+def plain_text(pieces: ConversationPieces, encoded: list[list[int]]) -> bool:
+    """Whether :func:`finish_conversation` gives just the pieces' ids back to back, each token flagged as its
+    piece: no images, and no image pad token rendered by the template (which it refuses)."""
+    pad = pieces.ids.get("image_pad")
+    return not pieces.images and (pad is None or not any(pad in piece_ids for piece_ids in encoded))
+
+
+def finish_conversation(
+    pieces: ConversationPieces,
+    encoded: list[list[int]],
+    image_processor: Any = None,
+    base_dir: str | os.PathLike | None = None,
+    image_paths_outside: bool = False,
+) -> TokenizedConversation:
+    """The conversation's ids and mask from its pieces' ids (``encoded``), its images expanded (see
+    :func:`tokenize_conversation`)."""
     input_ids: list[int] = []
     loss_mask: list[int] = []
-    for piece_ids, (_, flag) in zip(encoded, pieces, strict=True):
+    for piece_ids, flag in zip(encoded, pieces.flags, strict=True):
         input_ids.extend(piece_ids)
         loss_mask.extend([flag] * len(piece_ids))
-    if not ids:  # a text tokenizer, a text conversation
+    if not pieces.ids:  # a text tokenizer, a text conversation
         return TokenizedConversation(input_ids, loss_mask)
-    return _expand_images(input_ids, loss_mask, images, tokens, ids, image_processor, base_dir, image_paths_outside)
+    return _expand_images(
+        input_ids,
+        loss_mask,
+        pieces.images,
+        pieces.tokens,
+        pieces.ids,
+        image_processor,
+        base_dir,
+        image_paths_outside,
+    )
 
 
-def _encode_pieces(tokenizer: Any, texts: list[str]) -> list[list[int]]:
-    """Each text's token ids, no special tokens added. A fast tokenizer's Rust backend is called directly, without
+def encode_texts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """Each text's token ids, no special tokens added (each text alone: one call for many conversations gives the
+    ids of one call each). A fast tokenizer's Rust backend is called directly, without
     offsets (most of a build's time is this call), when it is set up as ``tokenizer(texts)`` would leave it (no
     truncation or padding, special tokens not split); else ``tokenizer(texts, add_special_tokens=False)``."""
     backend = getattr(tokenizer, "_tokenizer", None)

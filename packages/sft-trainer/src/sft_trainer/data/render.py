@@ -5,7 +5,9 @@ generation prompt). ``apply_chat_template`` rebuilds its inputs on every call (m
 tokens, the template lookup), which costs several times the template itself. :class:`ChatRenderer` does that
 work once: per tokenizer the template and its variables, per conversation the messages (every step of the
 preparation maps message by message, so the messages before a reply are a slice of the prepared list). The
-template runs compiled by transformers in its immutable Jinja sandbox, as in ``apply_chat_template``.
+template runs compiled by transformers in its immutable Jinja sandbox, as in ``apply_chat_template``. Messages of
+plain strings (text rows of JSONL and Parquet files) skip transformers' walk over the messages, which copies them
+unchanged (checked against it on the first such conversation).
 
 The direct path needs transformers' chat-template helpers; where they are missing, or where its first renderings
 differ from ``apply_chat_template``'s, every rendering goes through ``apply_chat_template``.
@@ -32,6 +34,11 @@ def _without_payloads(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         else m
         for m in messages
     ]
+
+
+def _only_strings(message: Any) -> bool:
+    """A plain dict of plain strings, as a text message from a JSON or Parquet file is."""
+    return type(message) is dict and all(type(k) is str and type(v) is str for k, v in message.items())
 
 
 def _template_helpers() -> tuple[Any, ...] | None:
@@ -68,6 +75,7 @@ class ChatRenderer:
         self._vision_ids: dict[VisionTokens, dict[str, int]] = {}
         self._template = None
         self._unchecked = True  # the first rendering is compared with apply_chat_template's
+        self._strings_as_is: bool | None = None  # see prepare; None until checked on a first conversation
         helpers = _template_helpers() if direct else None
         if helpers is None or not self._direct_kwargs_ok():
             return
@@ -111,6 +119,14 @@ class ChatRenderer:
         messages = _without_payloads(messages)
         if self._template is None:
             return messages
+        if self._strings_as_is is not False and all(_only_strings(m) for m in messages):
+            # transformers' preparation copies such messages unchanged; its walk over them costs nearly as much as
+            # the conversation's renderings. Checked against it on the first such conversation
+            shortcut = self._alias([dict(m) for m in messages])
+            if self._strings_as_is is None:
+                self._strings_as_is = shortcut == self._alias(self._plain(self._normalize(messages)))
+            if self._strings_as_is:
+                return shortcut
         return self._alias(self._plain(self._normalize(messages)))
 
     def render(self, prepared: list[Any], generation_prompt: bool) -> str:

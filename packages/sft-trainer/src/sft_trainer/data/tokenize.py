@@ -13,7 +13,6 @@ import multiprocessing
 import os
 import shutil
 import time
-from array import array
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -23,7 +22,14 @@ from typing import Any
 import numpy as np
 
 from sft_trainer.data import store as data_store
-from sft_trainer.data.chat import _default_end_of_turn, tokenize_conversation
+from sft_trainer.data.chat import (
+    ConversationPieces,
+    _default_end_of_turn,
+    conversation_pieces,
+    encode_texts,
+    finish_conversation,
+    plain_text,
+)
 from sft_trainer.data.conversations import (
     _JSONL_SUFFIXES,
     _MAX_REPORTED,
@@ -37,10 +43,12 @@ from sft_trainer.data.conversations import (
 )
 from sft_trainer.data.images import VisionTokens, conversation_images
 from sft_trainer.data.render import ChatRenderer
+from sft_trainer.data.shard import Shard, image_reference
 from sft_trainer.data.sources import conversation_column, row_messages
 
 _MIN_CHUNK_BYTES = 1 << 18
 _MAX_CHUNK_BYTES = 1 << 25
+_BATCH_CHARS = 1 << 18  # text tokenized in one call: about 150k tokens of the tiny tokenizer
 
 
 @dataclass(frozen=True)
@@ -141,25 +149,11 @@ def _set_state(tokenizer: Any, image_processor: Any, options: Mapping[str, Any],
     )
 
 
-def image_reference(image: Any, base_dir: Path) -> tuple[int, bytes, tuple[int, int]]:
-    """``(kind, payload, (size, mtime_ns))`` of an image part's value: kind 0 a path or data URI kept as written
-    (read later with the same rules, relative to ``base_dir``), kind 1 raw bytes; the stat of a path's file lets
-    a row detect an image changed after the store was built."""
-    if isinstance(image, Mapping):
-        image = image.get("bytes") or image.get("path")
-    if isinstance(image, bytes):
-        return 1, image, (-1, -1)
-    stat = (-1, -1)
-    if not image.startswith("data:"):
-        path = Path(image.removeprefix("file://"))
-        path = path if path.is_absolute() else base_dir / path
-        with_stat = path.stat()
-        stat = (with_stat.st_size, with_stat.st_mtime_ns)
-    return 0, image.encode("utf-8"), stat
-
-
 def tokenize_chunk(chunk: Chunk) -> ChunkResult:
-    """Validate and tokenize the rows of ``chunk`` and save them as ``chunk-<index>.npz`` in the output folder."""
+    """Validate and tokenize the rows of ``chunk`` and save them as ``chunk-<index>.npz`` in the output folder.
+
+    Rows are rendered one by one and tokenized in batches of about ``_BATCH_CHARS`` characters: one tokenizer
+    call for many conversations costs less than one each (every text is still tokenized alone)."""
     tokenizer, processor, options = _STATE["tokenizer"], _STATE["image_processor"], _STATE["options"]
     path = Path(chunk.path)
     where = options["source_labels"].get(chunk.path, chunk.path)  # a datasets source: its name, not the cache file
@@ -172,70 +166,83 @@ def tokenize_chunk(chunk: Chunk) -> ChunkResult:
         else _jsonl_rows(path, chunk.start, chunk.end, chunk.first_row)
     )
     result = ChunkResult(chunk.index)
-    tokens, mask = array("i"), array("B")
-    doc_lens, doc_rows, doc_loss, doc_images = array("q"), array("q"), array("q"), array("q")
-    spans, grids, stats, kinds, ref_lens = array("i"), array("q"), array("q"), array("B"), array("q")
-    refs = bytearray()
+    shard = Shard()
+    batch: list[tuple[int, Any, ConversationPieces | Exception]] = []  # (row, messages, pieces or its error)
+    chars = 0
     for number, row, problem in rows:
         try:
             if problem is not None:
                 raise ValueError(problem)
             messages = validate_messages(row_messages(row, options["messages_column"]))
-            doc = tokenize_conversation(
+            pieces = conversation_pieces(
                 tokenizer,
                 messages,
                 end_of_turn=options["end_of_turn"],
                 chat_template_kwargs=options["chat_template_kwargs"],
                 image_processor=processor,
-                base_dir=base,
                 vision_tokens=options["vision_tokens"],
-                image_paths_outside=options["image_paths_outside"],
                 renderer=_STATE["renderer"],
             )
+        except (ValueError, OSError) as exc:
+            batch.append((number, None, exc))
+            if options["on_error"] == "raise":
+                break
+            continue
+        batch.append((number, messages, pieces))
+        chars += sum(map(len, pieces.texts))
+        if chars >= _BATCH_CHARS:
+            if not _tokenize_batch(batch, shard, result, base, where):
+                batch = []
+                break
+            batch, chars = [], 0
+    _tokenize_batch(batch, shard, result, base, where)
+    result.documents, result.tokens, result.images = shard.documents, shard.tokens, shard.images
+    result.image_ref_bytes = len(shard.refs)
+    shard.save(Path(_STATE["out_dir"]) / f"chunk-{chunk.index:06d}.npz")
+    return result
+
+
+def _tokenize_batch(
+    batch: list[tuple[int, Any, ConversationPieces | Exception]],
+    shard: Shard,
+    result: ChunkResult,
+    base: Path,
+    where: str,
+) -> bool:
+    """Tokenize the rendered rows of ``batch`` in one call and add them to ``shard`` in row order, recording the
+    rows that failed; False once a failure stops the chunk (``on_error="raise"``)."""
+    tokenizer, processor, options = _STATE["tokenizer"], _STATE["image_processor"], _STATE["options"]
+    rendered = [pieces for _, _, pieces in batch if isinstance(pieces, ConversationPieces)]
+    try:
+        flat = encode_texts(tokenizer, [text for pieces in rendered for text in pieces.texts])
+    except (ValueError, OSError):  # some row's text: tokenized row by row below, to tell which
+        flat = None
+    at = 0
+    for number, messages, pieces in batch:
+        try:
+            if isinstance(pieces, Exception):
+                raise pieces
+            if flat is None:
+                encoded = encode_texts(tokenizer, pieces.texts)
+            else:
+                encoded, at = flat[at : at + len(pieces.texts)], at + len(pieces.texts)
+            if plain_text(pieces, encoded):
+                shard.add_text(number, encoded, pieces.flags)
+                continue
+            doc = finish_conversation(pieces, encoded, processor, base, options["image_paths_outside"])
             images = [image_reference(image, base) for _, image in conversation_images(messages)]
         except (ValueError, OSError) as exc:
             message = f"{where}: row {number}: {exc}"
             if options["on_error"] == "raise":
                 result.error = message
-                break
+                return False
             result.skipped += 1
             if len(result.skip_reasons) < _MAX_REPORTED:
                 result.skip_reasons.append(message)
             continue
-        tokens.extend(doc.input_ids)
-        mask.extend(doc.loss_mask)
-        doc_lens.append(len(doc.input_ids))
-        doc_rows.append(number)
-        doc_loss.append(sum(doc.loss_mask[1:]))
-        doc_images.append(len(images) if doc.image_grid_thw is not None else 0)
-        if doc.image_grid_thw is not None:
-            for (start, end), grid, (kind, payload, stat) in zip(
-                doc.image_spans, doc.image_grid_thw.tolist(), images, strict=True
-            ):
-                spans.extend((start, end))
-                grids.extend(grid)
-                stats.extend(stat)
-                kinds.append(kind)
-                ref_lens.append(len(payload))
-                refs += payload
-    result.documents, result.tokens, result.images = len(doc_lens), len(tokens), len(kinds)
-    result.image_ref_bytes = len(refs)
-    np.savez(
-        Path(_STATE["out_dir"]) / f"chunk-{chunk.index:06d}.npz",
-        tokens=np.frombuffer(tokens, np.int32),
-        loss_mask=np.frombuffer(mask, np.uint8),
-        doc_lens=np.frombuffer(doc_lens, np.int64),
-        doc_row=np.frombuffer(doc_rows, np.int64),
-        doc_loss=np.frombuffer(doc_loss, np.int64),
-        doc_images=np.frombuffer(doc_images, np.int64),
-        image_spans=np.frombuffer(spans, np.int32).reshape(-1, 2),
-        image_grid=np.frombuffer(grids, np.int64).reshape(-1, 3),
-        image_stat=np.frombuffer(stats, np.int64).reshape(-1, 2),
-        image_kind=np.frombuffer(kinds, np.uint8),
-        ref_lens=np.frombuffer(ref_lens, np.int64),
-        image_refs=np.frombuffer(bytes(refs), np.uint8),
-    )
-    return result
+        shard.add_document(number, doc, images)
+    shard.convert()
+    return True
 
 
 # --------------------------------------------------------------------------------------------------------
