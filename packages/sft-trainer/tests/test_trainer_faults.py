@@ -49,12 +49,13 @@ def _wait_for_step(out: Path, proc: subprocess.Popen, timeout: float = 180) -> N
 
 
 def _workers(launcher: int) -> list[int]:
-    """The launcher's spawned workers, rank order (they start in rank order)."""
-    children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
+    """The launcher's workers, rank order (they start in rank order): spawned, or forked by its fork server."""
     pids = []
-    for pid in map(int, children):
+    for pid in map(int, Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()):
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-        if "spawn_main" in cmdline and "resource_tracker" not in cmdline:
+        if "forkserver" in cmdline:
+            pids.extend(map(int, Path(f"/proc/{pid}/task/{pid}/children").read_text().split()))
+        elif "spawn_main" in cmdline and "resource_tracker" not in cmdline:
             pids.append(pid)
     return sorted(pids)
 

@@ -26,6 +26,7 @@ from sft_trainer.report import write_report_at_end
 from sft_trainer.run_folder import set_aside_previous_run
 from sft_trainer.train import MetricsWriter, StepStats, lr_lambda, train_step
 from sft_trainer.watchdog import PeerWatch, collective_timeout, is_collective_timeout, run_workers, start_beating
+from sft_trainer.worker_start import leave_with_launcher
 
 
 def _free_port() -> int:
@@ -44,9 +45,21 @@ def launch(cfg) -> None:
     run_workers(_spawned, (cfg, world, _free_port()), world, cfg.parallel.heartbeat_timeout_s)
 
 
-def _spawned(rank: int, cfg, world: int, port: int, beats=None) -> None:
+def _spawned(
+    rank: int,
+    cfg,
+    world: int,
+    port: int,
+    beats=None,
+    environ: dict[str, str] | None = None,
+    launcher: int | None = None,
+) -> None:
+    if environ is not None:  # the launcher's, also where this worker was forked by the fork server
+        os.environ.clear()
+        os.environ.update(environ)
     if beats is not None:
-        start_beating(beats, rank)
+        leave_with_launcher()
+        start_beating(beats, rank, launcher)
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )

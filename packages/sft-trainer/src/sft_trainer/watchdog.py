@@ -39,14 +39,17 @@ def shared_beats(world: int):
     return mp.get_context("spawn").Array("d", world, lock=False)
 
 
-def start_beating(beats, rank: int) -> None:
+def start_beating(beats, rank: int, launcher: int | None = None) -> None:
     """Stamp ``beats[rank]`` every second from a daemon thread, for the life of this process; end the process
-    when the launcher is gone (killed: its workers must not go on writing into a folder nobody holds)."""
-    launcher = os.getppid()
+    when the launcher (pid ``launcher``, default the parent) is gone (killed: its workers must not go on writing
+    into a folder nobody holds). A worker forked by the fork server sees its parent, the server, end with the
+    launcher (``worker_start.leave_with_launcher``)."""
+    parent = os.getppid()
+    launcher = parent if launcher is None else launcher
 
     def beat() -> None:
         while True:
-            if os.getppid() != launcher:
+            if os.getppid() != parent:
                 print(f"sft-train: worker {rank}: the launcher (pid {launcher}) is gone; stopping", file=sys.stderr)
                 os._exit(1)
             beats[rank] = time.monotonic()
@@ -192,18 +195,21 @@ def _end(processes: list, first: Any | None = None) -> None:
 
 
 def run_workers(target, args: tuple, world: int, heartbeat_timeout_s: float) -> None:
-    """Spawn ``world`` workers ``target(rank, *args, beats)`` and wait for them; raise SystemExit with one line
-    when one fails, is killed, stops answering, or the launcher is interrupted (forwarded to the workers)."""
+    """Start ``world`` workers ``target(rank, *args, beats, environ, launcher)`` (``environ``: the environment
+    each worker takes; ``launcher``: this process's pid) and wait for them; raise SystemExit with one line when one
+    fails, is killed, stops answering, or the launcher is interrupted (forwarded to the workers)."""
     import torch.distributed as dist
+
+    from sft_trainer.worker_start import start_method
 
     beats = shared_beats(world)
     # the job's store, here where no worker can freeze it: the first failure of the job claims it (said once)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    os.environ[STORE_ENV] = f"127.0.0.1:{store.port}"  # the spawned workers inherit it
-    try:
-        context = mp.start_processes(target, args=(*args, beats), nprocs=world, join=False, start_method="spawn")
-    finally:
-        del os.environ[STORE_ENV]
+    # a forked worker has the fork server's environment: each gets this process's, as a spawned one would
+    environ = {**os.environ, STORE_ENV: f"127.0.0.1:{store.port}"}
+    context = mp.start_processes(
+        target, args=(*args, beats, environ, os.getpid()), nprocs=world, join=False, start_method=start_method()
+    )
     processes = context.processes
     running = {p.sentinel: rank for rank, p in enumerate(processes)}
     try:
