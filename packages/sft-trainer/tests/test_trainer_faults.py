@@ -97,7 +97,9 @@ def test_a_second_run_stops_naming_the_first_and_a_frozen_worker_ends_the_run(tm
         proc, seconds = sft_train("--output_dir", str(out), *LONG)
         line = one_line_failure(proc)
         assert line.startswith(f"sft-train: {out} is in use by another run (pid {run_a.pid} on "), line
-        assert seconds < 30, seconds  # config checks only: no worker starts
+        # config checks only, no worker starts; the launcher shares the cores with run A's two workers and with its
+        # own fork server, which imports the workers' modules until the refusal ends it
+        assert seconds < 45, seconds
         assert run_a.poll() is None and (out / "metrics.jsonl").read_text().count("\n") >= 1
         workers = _workers(run_a.pid)
         assert len(workers) == 2

@@ -12,24 +12,29 @@ from pathlib import Path
 
 # A worker target for watchdog.run_workers: what this worker holds at its start, before it imports anything.
 _PROBE = """
-import json, os, sys
+import json, os, signal, sys
 
-def probe(rank, out, beats, environ, launcher):
-    held = {name: name in sys.modules for name in ("torch", "torch.distributed.fsdp", "torch._dynamo", "transformers")}
-    record = {"held": held, "probe": environ.get("SFT_PROBE"), "store": bool(environ.get("SFT_TRAIN_STORE")),
-              "launcher": launcher, "own_probe": os.environ.get("SFT_PROBE")}
+def probe(rank, out, beats):
+    held = [name in sys.modules for name in ("sft_trainer.run", "torch.distributed.fsdp", "torch._dynamo", "transformers")]
+    record = {"held": held, "probe": os.environ.get("SFT_PROBE"), "store": bool(os.environ.get("SFT_TRAIN_STORE")),
+              "launcher": int(os.environ["SFT_TRAIN_LAUNCHER"]), "parent": os.getppid(),
+              "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler}
     with open(os.path.join(out, f"{rank}.json"), "w") as fh:
         json.dump(record, fh)
 """
 
 _DRIVER = """
 import os, sys
-from sft_trainer import worker_start
-assert worker_start.import_ahead() and worker_start.start_method() == "forkserver"
+from sft_trainer.worker_start import WorkerStart
+workers = WorkerStart()
+assert workers.import_ahead() and workers.method == "forkserver"
 os.environ["SFT_PROBE"] = "set after the server started"
 from probe import probe
 from sft_trainer.watchdog import run_workers
-run_workers(probe, (sys.argv[1],), 2, 30.0)
+run_workers(probe, (os.path.join(sys.argv[1], "forked"),), 2, 30.0, start_method=workers.method)
+workers.stop()
+assert workers.method == "spawn"
+run_workers(probe, (os.path.join(sys.argv[1], "spawned"),), 2, 30.0, start_method=workers.method)
 print(os.getpid())
 """
 
@@ -48,45 +53,79 @@ def test_the_launcher_modules_before_the_check_import_no_torch():
 
 
 def test_forked_workers_hold_their_imports_and_take_the_launchers_environment(tmp_path):
+    """Workers forked by the server hold the trainer, FSDP2, torch._dynamo and transformers when they start (spawned
+    ones do not), and both have the launcher's environment at their start, with the job's store and its pid, and
+    Python's SIGINT handler (the server ignores SIGINT)."""
     (tmp_path / "probe.py").write_text(_PROBE)
-    out = tmp_path / "out"
-    out.mkdir()
-    proc = _python(_DRIVER, str(out), PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    for kind in ("forked", "spawned"):
+        (tmp_path / kind).mkdir()
+    proc = _python(
+        _DRIVER, str(tmp_path), PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    )
     launcher = int(proc.stdout.split()[-1])
-    for rank in (0, 1):
-        record = json.loads((out / f"{rank}.json").read_text())
-        assert record["held"] == dict.fromkeys(
-            ("torch", "torch.distributed.fsdp", "torch._dynamo", "transformers"), True
-        )
-        # the environment at the workers' start, not the server's (started before SFT_PROBE was set)
-        assert record["probe"] == "set after the server started" and record["store"]
-        assert record["own_probe"] is None  # run._spawned applies `environ`; the probe only reports what it got
-        assert record["launcher"] == launcher
+    for kind, held in (("forked", True), ("spawned", False)):
+        for rank in (0, 1):
+            record = json.loads((tmp_path / kind / f"{rank}.json").read_text())
+            assert record["held"] == [held] * 4, (kind, record)
+            # the environment at the workers' start, not the server's (started before SFT_PROBE was set)
+            assert record["probe"] == "set after the server started" and record["store"], (kind, record)
+            assert record["launcher"] == launcher and record["sigint"], (kind, record)
+            assert (record["parent"] == launcher) == (kind == "spawned"), (kind, record)  # forked: the server's
 
 
+# Runs a refused config through the CLI while a thread notes every fork server this process starts.
 _REFUSED = """
-import os, sys
-from multiprocessing import forkserver
-started = []
-_ensure_running = forkserver.ensure_running
+import os, sys, threading, time
+from pathlib import Path
+servers, done = set(), threading.Event()
 
-def ensure_running():
-    _ensure_running()
-    started.append(forkserver._forkserver._forkserver_pid)
+def watch():
+    while not done.is_set():
+        for pid in Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split():
+            try:
+                if b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    servers.add(int(pid))
+            except OSError:
+                pass
+        time.sleep(0.005)
 
-forkserver.ensure_running = ensure_running
+threading.Thread(target=watch, daemon=True).start()
 from sft_trainer.cli import main
 try:
     main(["--output_dir", sys.argv[1], "--parallel.cp", "3"])
 except SystemExit as exc:
     print(exc.code, file=sys.stderr)
-print(started, [os.path.exists(f"/proc/{pid}") for pid in started])
+done.set()
+print(len(servers), sum(os.path.exists(f"/proc/{pid}") for pid in servers))
 """
 
 
 def test_a_refused_config_ends_the_fork_server(tmp_path):
     proc = _python(_REFUSED, str(tmp_path / "out"))
     assert "sft-train: invalid configuration:" in proc.stderr and "parallel.cp=3" in proc.stderr, proc.stderr
-    started, alive = proc.stdout.strip().split("] [")
-    assert started != "[" and alive == "False]", proc.stdout  # one server, started, then ended and reaped
+    assert proc.stdout.split() == ["1", "0"], proc.stdout  # one server started, then ended and reaped
     assert not Path(tmp_path / "out").exists()
+
+
+# A Python whose multiprocessing keeps its fork server elsewhere (simulated in this throwaway interpreter).
+_OTHER_INTERNALS = """
+import os, sys
+from multiprocessing import forkserver
+forkserver._forkserver = object()
+from sft_trainer.worker_start import WorkerStart
+workers = WorkerStart()
+print(workers.import_ahead(), workers.method)
+from probe import probe
+from sft_trainer.watchdog import run_workers
+run_workers(probe, (sys.argv[1],), 2, 30.0, start_method=workers.method)
+"""
+
+
+def test_a_python_with_other_fork_server_internals_spawns(tmp_path):
+    (tmp_path / "probe.py").write_text(_PROBE)
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    proc = _python(_OTHER_INTERNALS, str(tmp_path), **env)
+    assert proc.stdout.split() == ["False", "spawn"], proc.stdout
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert record["held"] == [False] * 4 and record["parent"] == record["launcher"], record
