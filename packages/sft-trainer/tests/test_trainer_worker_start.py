@@ -18,7 +18,8 @@ def probe(rank, out, beats):
     held = [name in sys.modules for name in ("sft_trainer.run", "torch.distributed.fsdp", "torch._dynamo", "transformers")]
     record = {"held": held, "probe": os.environ.get("SFT_PROBE"), "store": bool(os.environ.get("SFT_TRAIN_STORE")),
               "launcher": int(os.environ["SFT_TRAIN_LAUNCHER"]), "parent": os.getppid(),
-              "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler}
+              "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler
+                        and signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])}
     with open(os.path.join(out, f"{rank}.json"), "w") as fh:
         json.dump(record, fh)
 """
@@ -28,6 +29,13 @@ import os, sys
 from sft_trainer.worker_start import WorkerStart
 workers = WorkerStart()
 assert workers.import_ahead() and workers.method == "forkserver"
+import signal
+from sft_trainer.worker_start import _fork_server
+server = _fork_server()._forkserver_pid
+ignored = int(next(l for l in open(f"/proc/{server}/status") if l.startswith("SigIgn:")).split()[1], 16)
+assert ignored & (1 << (signal.SIGINT - 1)), "the server ignores SIGINT"
+assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the launcher's own, back
+assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
 os.environ["SFT_PROBE"] = "set after the server started"
 from probe import probe
 from sft_trainer.watchdog import run_workers
@@ -48,14 +56,17 @@ def _python(code: str, *args: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_the_launcher_modules_before_the_check_import_no_torch():
-    code = "import sys, sft_trainer.cli, sft_trainer.worker_start; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    code = (
+        "import sys, sft_trainer.cli, sft_trainer.worker_start; "
+        "print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    )
     assert _python(code).stdout.strip() == "[]"
 
 
 def test_forked_workers_hold_their_imports_and_take_the_launchers_environment(tmp_path):
     """Workers forked by the server hold the trainer, FSDP2, torch._dynamo and transformers when they start (spawned
     ones do not), and both have the launcher's environment at their start, with the job's store and its pid, and
-    Python's SIGINT handler (the server ignores SIGINT)."""
+    Python's SIGINT handler, unblocked (the server ignores and blocks SIGINT)."""
     (tmp_path / "probe.py").write_text(_PROBE)
     for kind in ("forked", "spawned"):
         (tmp_path / kind).mkdir()

@@ -268,10 +268,11 @@ def run_workers(target, args: tuple, world: int, heartbeat_timeout_s: float, sta
 
 def _worker_entry(rank: int, target, environ: dict[str, str], *args) -> None:
     """A local worker's start: the launcher's environment and Ctrl-C raising KeyboardInterrupt (the fork server
-    ignores SIGINT, and its children inherit that), then ``target(rank, *args)``."""
+    ignores and blocks SIGINT, and its children inherit that), then ``target(rank, *args)``."""
     os.environ.clear()
     os.environ.update(environ)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     target(rank, *args)
 
 

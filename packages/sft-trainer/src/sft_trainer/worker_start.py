@@ -48,20 +48,23 @@ class WorkerStart:
             return True
         if "torch" in sys.modules or "RANK" in os.environ or not _can_watch_launcher():
             return False
-        if threading.current_thread() is not threading.main_thread():  # signal.signal below needs the main thread
-            return False
-        if _fork_server() is None:
-            return False
-        from multiprocessing import forkserver
+        if _fork_server() is None or threading.current_thread() is not threading.main_thread():  # signal.signal
+            return False  # below needs the main thread
+        from multiprocessing import forkserver, resource_tracker
 
         forkserver.set_forkserver_preload(list(WORKER_MODULES))
-        # started with SIGINT ignored (it keeps that): Ctrl-C during its imports is the launcher's to handle, and
-        # the workers take Python's handler back (watchdog._worker_entry)
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # The server starts with SIGINT ignored and blocked, and keeps both: Ctrl-C during its imports is the
+        # launcher's alone to handle; one that comes meanwhile stays pending here and reaches the launcher's handler
+        # once restored. The workers take Python's handler back (watchdog._worker_entry). The resource tracker
+        # starts first: its start unblocks SIGINT, which would let a Ctrl-C in the window be discarded.
+        resource_tracker.ensure_running()
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             forkserver.ensure_running()
         finally:
-            signal.signal(signal.SIGINT, previous)
+            signal.signal(signal.SIGINT, handler)
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         self.method = "forkserver"
         return True
 
