@@ -89,12 +89,13 @@ _REFUSED = """
 import os, sys, threading, time
 from pathlib import Path
 servers, done = set(), threading.Event()
+SERVER = b"from multiprocessing.fork" + b"server import main"  # split: a child not yet exec'd shows this code
 
 def watch():
     while not done.is_set():
         for pid in Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split():
             try:
-                if b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                if SERVER in Path(f"/proc/{pid}/cmdline").read_bytes():
                     servers.add(int(pid))
             except OSError:
                 pass

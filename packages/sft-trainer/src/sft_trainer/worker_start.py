@@ -90,7 +90,8 @@ def _fork_server() -> Any | None:
     """multiprocessing's fork server of this process, or None where its private fields differ from CPython
     3.11-3.14's (``_forkserver``, its ``_forkserver_pid`` and ``_stop``): the standard library can start the
     server but neither names its pid nor stops it, and a refused config must not leave a server importing torch.
-    The only place this package reads multiprocessing's private state; without it the workers are spawned."""
+    This and :func:`_stop_fork_server` are the only places this package touches multiprocessing's private state;
+    without it the workers are spawned."""
     from multiprocessing import forkserver
 
     server = getattr(forkserver, "_forkserver", None)
