@@ -108,15 +108,23 @@ def start(argv: Sequence[str] | None = None) -> None:
 def train_main(argv: Sequence[str]) -> None:
     """``sft-train [--config FILE] [--section.key VALUE ...]``: validate the config and what this machine and the
     run folder allow, then train."""
-    from sft_trainer import run
-    from sft_trainer.run_folder import hold_run_folders
+    from sft_trainer.worker_start import WorkerStart
 
-    cfg = checked_config(argv)
-    if os.environ.get("RANK", "0") == "0":  # the launcher, or torchrun's rank 0: holds the folders until it ends
-        hold_run_folders(cfg)
-    if run.backend_of(cfg) == "nccl" and os.environ.get("RANK", "0") == "0":  # a GPU run
-        warn_when_plan_does_not_fit(cfg)
-    run.launch(cfg)
+    workers = WorkerStart()
+    workers.import_ahead()  # the workers' imports run while the config is checked (before torch is here)
+    try:
+        from sft_trainer import run
+        from sft_trainer.run_folder import hold_run_folders
+
+        cfg = checked_config(argv)
+        if os.environ.get("RANK", "0") == "0":  # the launcher, or torchrun's rank 0: holds the folders until it ends
+            hold_run_folders(cfg)
+        if run.backend_of(cfg) == "nccl" and os.environ.get("RANK", "0") == "0":  # a GPU run
+            warn_when_plan_does_not_fit(cfg)
+    except BaseException:  # refused: no worker starts
+        workers.stop()
+        raise
+    run.launch(cfg, workers)
 
 
 def checked_config(argv: Sequence[str]) -> TrainConfig:

@@ -26,6 +26,7 @@ from sft_trainer.report import write_report_at_end
 from sft_trainer.run_folder import set_aside_previous_run
 from sft_trainer.train import MetricsWriter, StepStats, lr_lambda, train_step
 from sft_trainer.watchdog import PeerWatch, collective_timeout, is_collective_timeout, run_workers, start_beating
+from sft_trainer.worker_start import WorkerStart
 
 
 def _free_port() -> int:
@@ -34,14 +35,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(cfg) -> None:
-    """Run under torchrun when its variables are set; otherwise spawn dp x cp local workers (CPU runs)."""
+def launch(cfg, workers: WorkerStart | None = None) -> None:
+    """Run under torchrun when its variables are set; otherwise start dp x cp local workers (CPU runs), forked by
+    ``workers``' fork server where it started one for a gloo run, else spawned."""
     if "RANK" in os.environ:
         run_worker_then_exit(cfg)
     dp, cp = cfg.parallel.world_layout()
     world = dp * cp
+    workers = workers or WorkerStart()
+    if backend_of(cfg) == "nccl":
+        workers.stop()
     # a worker that stops prints its message or traceback; the launcher adds which worker and how it ended
-    run_workers(_spawned, (cfg, world, _free_port()), world, cfg.parallel.heartbeat_timeout_s)
+    args = (cfg, world, _free_port())
+    run_workers(_spawned, args, world, cfg.parallel.heartbeat_timeout_s, start_method=workers.method)
 
 
 def _spawned(rank: int, cfg, world: int, port: int, beats=None) -> None:

@@ -17,11 +17,13 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import select
 import signal
 import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -39,20 +41,43 @@ def shared_beats(world: int):
     return mp.get_context("spawn").Array("d", world, lock=False)
 
 
+LAUNCHER_ENV = "SFT_TRAIN_LAUNCHER"  # a local worker's environment: the launcher's pid
+
+
 def start_beating(beats, rank: int) -> None:
     """Stamp ``beats[rank]`` every second from a daemon thread, for the life of this process; end the process
-    when the launcher is gone (killed: its workers must not go on writing into a folder nobody holds)."""
-    launcher = os.getppid()
+    when the launcher (pid in ``$SFT_TRAIN_LAUNCHER``) or this process's parent is gone (killed: its workers must
+    not go on writing into a folder nobody holds). A worker forked by the fork server (``worker_start``) has the
+    server as its parent, which outlives a killed launcher while its children run: the launcher is watched through
+    a pidfd, which becomes readable when that process ends."""
+    parent = os.getppid()
+    launcher = int(os.environ.get(LAUNCHER_ENV, parent))
+    launcher_ended = _end_watch(launcher) if launcher != parent else None
+
+    def gone() -> bool:
+        return os.getppid() != parent or (launcher_ended is not None and launcher_ended())
 
     def beat() -> None:
         while True:
-            if os.getppid() != launcher:
+            if gone():
                 print(f"sft-train: worker {rank}: the launcher (pid {launcher}) is gone; stopping", file=sys.stderr)
                 os._exit(1)
             beats[rank] = time.monotonic()
             time.sleep(BEAT_INTERVAL_S)
 
     threading.Thread(target=beat, name="sft-train-heartbeat", daemon=True).start()
+
+
+def _end_watch(pid: int) -> Callable[[], bool] | None:
+    """A function that says whether process ``pid`` has ended (its pidfd becomes readable then, whoever its parent
+    is), or None where pidfds are not available (``worker_start`` then spawns: the parent is the launcher)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:  # it has ended already
+        return lambda: True
+    except (AttributeError, OSError):  # no os.pidfd_open (not Linux), or the kernel or a sandbox refuses it
+        return None
+    return lambda: bool(select.select([fd], [], [], 0)[0])
 
 
 PEER_SILENT_S = 3 * BEAT_INTERVAL_S  # a peer is named in a collective timeout's line after this long without a beat
@@ -191,19 +216,21 @@ def _end(processes: list, first: Any | None = None) -> None:
         p.join()
 
 
-def run_workers(target, args: tuple, world: int, heartbeat_timeout_s: float) -> None:
-    """Spawn ``world`` workers ``target(rank, *args, beats)`` and wait for them; raise SystemExit with one line
-    when one fails, is killed, stops answering, or the launcher is interrupted (forwarded to the workers)."""
+def run_workers(target, args: tuple, world: int, heartbeat_timeout_s: float, start_method: str = "spawn") -> None:
+    """Start ``world`` workers ``target(rank, *args, beats)`` by ``start_method`` ("spawn", or "forkserver" with
+    the server of ``worker_start.WorkerStart``) and wait for them; raise SystemExit with one line when one fails,
+    is killed, stops answering, or the launcher is interrupted (forwarded to the workers)."""
     import torch.distributed as dist
 
     beats = shared_beats(world)
     # the job's store, here where no worker can freeze it: the first failure of the job claims it (said once)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    os.environ[STORE_ENV] = f"127.0.0.1:{store.port}"  # the spawned workers inherit it
-    try:
-        context = mp.start_processes(target, args=(*args, beats), nprocs=world, join=False, start_method="spawn")
-    finally:
-        del os.environ[STORE_ENV]
+    # each worker takes this environment (a forked one would otherwise keep the fork server's, from before the
+    # config was checked): the job's store and this launcher's pid added
+    environ = {**os.environ, STORE_ENV: f"127.0.0.1:{store.port}", LAUNCHER_ENV: str(os.getpid())}
+    context = mp.start_processes(
+        _worker_entry, args=(target, environ, *args, beats), nprocs=world, join=False, start_method=start_method
+    )
     processes = context.processes
     running = {p.sentinel: rank for rank, p in enumerate(processes)}
     try:
@@ -237,6 +264,16 @@ def run_workers(target, args: tuple, world: int, heartbeat_timeout_s: float) -> 
         _end(processes)
         print("sft-train: interrupted (SIGINT); every worker was stopped", file=sys.stderr)
         raise SystemExit(130) from None
+
+
+def _worker_entry(rank: int, target, environ: dict[str, str], *args) -> None:
+    """A local worker's start: the launcher's environment and Ctrl-C raising KeyboardInterrupt (the fork server
+    ignores and blocks SIGINT, and its children inherit that), then ``target(rank, *args)``."""
+    os.environ.clear()
+    os.environ.update(environ)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    target(rank, *args)
 
 
 def _exit_line(rank: int, code: int) -> str:
