@@ -69,8 +69,9 @@ _PRELOAD = (
     "torch.fx.experimental.symbolic_shapes",
     "torch.nested._internal.nested_tensor",
 )
-# Imported there too when the test process has them (test modules import pytest, the model packages transformers).
-_PRELOAD_IF_LOADED = ("pytest", "transformers", "cp_models", "cp_vlm", "sft_trainer")
+# Imported there too when the test process has them (test modules import pytest, the model packages transformers;
+# building the VL model's vision tower imports transformers.modeling_utils: 15 s per worker on a loaded machine).
+_PRELOAD_IF_LOADED = ("pytest", "transformers", "transformers.modeling_utils", "cp_models", "cp_vlm", "sft_trainer")
 
 
 def _context() -> Any:
