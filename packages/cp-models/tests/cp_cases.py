@@ -1,6 +1,6 @@
 """What the Qwen3.5 and Nemotron-H CP test modules share: the row sizes, random rows, the parametrization of the
-worker pools, and the check that a bad setup stops every rank alike. Module level, so that gloo workers (spawned,
-importing by name) find the functions they run."""
+worker pools, and the check that a bad setup stops every rank alike. Module level, so that gloo workers (other
+processes, importing by name) find the functions they run."""
 
 from __future__ import annotations
 

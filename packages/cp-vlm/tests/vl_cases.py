@@ -1,6 +1,6 @@
 """Tiny Qwen3.5-VL configs, packed rows with images, and weight randomization shared by the cp-vlm tests.
 
-Module level so that gloo workers (spawned, importing by name) rebuild the same things from plain arguments.
+Module level so that gloo workers (other processes, importing by name) rebuild the same things from plain arguments.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ This package is public so that users can prove their own CP layers the way this 
 
     from cp_core.testing import GlooWorkers, check_cp_parity, layout_cases
 
-    with GlooWorkers(world_size=2) as workers:          # spawned once, reused for many cases
+    with GlooWorkers(world_size=2) as workers:          # started once, reused for many cases
         for name, seq_lens in layout_cases(64, cp=2).items():
             report = check_cp_parity(workers, my_case, seq_lens=seq_lens, inputs={"x": x}, seq_dims={"x": 0})
             report.assert_close(rtol=1e-5)
