@@ -35,7 +35,7 @@ def test_each_output_path_in_a_folder_that_refuses_writes_gets_one_line_before_l
 ):
     if not _refuses_entries(kernel_folder):
         pytest.skip(f"{kernel_folder} accepts new entries on this machine")
-    monkeypatch.setattr(run, "launch", lambda cfg: pytest.fail("a worker was launched"))
+    monkeypatch.setattr(run, "launch", lambda cfg, workers=None: pytest.fail("a worker was launched"))
     target = f"{kernel_folder}/sft-train-out/sub"
     checked = []
     for field in ("output_dir", "checkpoint.dir", "logging.metrics_file"):
@@ -58,7 +58,7 @@ def test_an_existing_metrics_file_that_refuses_appends_gets_one_line(tmp_path, m
             pytest.skip("/proc/version accepts appends on this machine")
     except OSError:
         pass
-    monkeypatch.setattr(run, "launch", lambda cfg: pytest.fail("a worker was launched"))
+    monkeypatch.setattr(run, "launch", lambda cfg, workers=None: pytest.fail("a worker was launched"))
     with pytest.raises(SystemExit) as info:
         main(["--output_dir", str(tmp_path / "out"), "--logging.metrics_file", "/proc/version"])
     line = str(info.value.code)

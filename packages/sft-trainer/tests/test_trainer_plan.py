@@ -839,7 +839,7 @@ def test_a_gpu_run_warns_before_launch_when_the_plan_does_not_fit(capsys, monkey
 
     launched = []
     monkeypatch.setattr(run, "backend_of", lambda cfg: "nccl")
-    monkeypatch.setattr(run, "launch", launched.append)
+    monkeypatch.setattr(run, "launch", lambda cfg, workers=None: launched.append(cfg))
     monkeypatch.setenv("RANK", rank)
     args = ["--config", "tiny_cpu", "--model.config", "qwen3_5-0.8b", "--model.dtype", "bfloat16"]
     # Each call holds its output folder for the life of this process, as a run does: one folder per call.
@@ -864,7 +864,7 @@ def test_a_cpu_run_skips_the_gpu_plan(capsys, monkeypatch, tmp_path):
     import sft_trainer.run as run
 
     monkeypatch.setattr(run, "backend_of", lambda cfg: "gloo")
-    monkeypatch.setattr(run, "launch", lambda cfg: None)
+    monkeypatch.setattr(run, "launch", lambda cfg, workers=None: None)
     monkeypatch.setattr(cli, "warn_when_plan_does_not_fit", lambda cfg: pytest.fail("planned a CPU run"))
     args = ["--model.config", "qwen3_5-0.8b", "--data.seq_len", "1048576", "--output_dir", str(tmp_path)]
     run_main(["--config", "tiny_cpu", *args])
