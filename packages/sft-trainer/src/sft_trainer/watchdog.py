@@ -71,11 +71,13 @@ def start_beating(beats, rank: int) -> None:
 def _end_watch(pid: int) -> Callable[[], bool] | None:
     """A function that says whether process ``pid`` has ended (its pidfd becomes readable then, whoever its parent
     is), or None where pidfds are not available (``worker_start`` then spawns: the parent is the launcher)."""
+    from sft_trainer.worker_start import open_pidfd
+
     try:
-        fd = os.pidfd_open(pid)
+        fd = open_pidfd(pid)
     except ProcessLookupError:  # it has ended already
         return lambda: True
-    except (AttributeError, OSError):  # no os.pidfd_open (not Linux), or the kernel or a sandbox refuses it
+    if fd is None:
         return None
     return lambda: bool(select.select([fd], [], [], 0)[0])
 

@@ -79,11 +79,23 @@ class WorkerStart:
 def _can_watch_launcher() -> bool:
     """Whether a worker can see the launcher end when the launcher is not its parent (a forked worker's parent is
     the fork server): through a pidfd, Linux 5.3+ (``watchdog.start_beating``)."""
-    try:
-        os.close(os.pidfd_open(os.getpid()))
-    except (AttributeError, OSError):  # no os.pidfd_open (not Linux), or the kernel or a sandbox refuses it
+    fd = open_pidfd(os.getpid())
+    if fd is None:
         return False
+    os.close(fd)
     return True
+
+
+def open_pidfd(pid: int) -> int | None:
+    """A pidfd of process ``pid`` (readable once the process ends, whoever its parent is), or None where pidfds are
+    not available; raises ProcessLookupError when ``pid`` has ended already. The one probe of pidfd support, so that
+    the launcher forks its workers only where they can watch it."""
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:  # an OSError, but an answer: the process has ended
+        raise
+    except (AttributeError, OSError):  # no os.pidfd_open (not Linux), or the kernel or a sandbox refuses it
+        return None
 
 
 def _fork_server() -> Any | None:
