@@ -8,6 +8,8 @@
 #   bash benchmarks/gpu_train.sh more    # Nemotron-H Nano (8 layers) at 32k, the tiny VL preset, 0.8B 32k eager
 #   BUDGET_S=540 bash benchmarks/gpu_train.sh final  # on a cold machine: the 0.8B 8k run's cold first step,
 #                                        # transformers' logits against ours (float32 reference), Nano 8l at 32k
+#   bash benchmarks/gpu_train.sh cold    # the 0.8B 8k run's first step from an empty Triton cache, with the fla
+#                                        # kernel configs shipped for the GPU (cp_core/fla_tuning/)
 #   bash benchmarks/gpu_train.sh compare # after `final`, alone on the warm machine: the 0.8B 8k run (20 steps)
 #                                        # against the model step
 # Each run is `torchrun --standalone --nproc-per-node 1 -m sft_trainer.run` (what a user starts on a CUDA box) with
@@ -99,6 +101,14 @@ case "$PART" in
     long_docs 32768
     train nano8l_32k_ac "$(left 300)" nemotron_h-nano-8l 32768 6 --parallel.fsdp false \
       --model.activation_checkpointing true
+    ;;
+  cold)  # empty Triton cache: the 0.8B 8k run's first step with the fla configs shipped for this GPU
+    checkpoint qwen3_5-0.8b
+    long_docs 8192
+    export TRITON_CACHE_DIR=/tmp/triton_cold_train
+    rm -rf "$TRITON_CACHE_DIR"
+    train r08_8k_cold_tuned 300 qwen3_5-0.8b 8192 10 --parallel.fsdp false
+    rm -rf "$WORK/out"
     ;;
   compare)  # warm machine, nothing else running: the trainer's 8k step against the model step, same call
     checkpoint qwen3_5-0.8b

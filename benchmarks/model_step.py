@@ -327,7 +327,13 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="toy widths (CPU check of the code paths)")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    parser.add_argument("--write-fla-tuning", type=Path, metavar="DIR",
+                        help="after the rows, write fla's autotune choices into DIR (cp_core.fla_tuning)")  # fmt: skip
     args = parser.parse_args()
+    if args.device.startswith("cuda"):
+        from cp_core.fla_tuning import use_fla_tuning
+
+        print(f"fla tuning: {use_fla_tuning(torch.device(args.device)) or 'none (fla autotunes)'}", flush=True)
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     rows = []
 
@@ -340,6 +346,10 @@ def main() -> None:
         run_shape(shape, args.variants, args.seq_lens, args.device, args.reps, args.tiny, args.limit_s, on_row,
                   first_limit_s=args.first_step_limit_s)  # fmt: skip
     print(write_table(rows, args.out, device_name, args.reps, sys.argv[1:]))
+    if args.write_fla_tuning:
+        from cp_core.fla_tuning import write_fla_tuning
+
+        print(f"fla tuning: {write_fla_tuning(args.write_fla_tuning)} choices written to {args.write_fla_tuning}")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from cp_core import CPTopology
+from cp_core.fla_tuning import TUNING_DIR_ENV, use_fla_tuning, write_fla_tuning
 from sft_trainer.checkpoint import data_change_problem, maybe_resume, resume_checkpoint, save_checkpoint
 from sft_trainer.job_failure import announce_store, report_exception, say_once
 from sft_trainer.model import ModelLoadError, build_model, one_line
@@ -112,8 +113,20 @@ def _device_and_backend(cfg) -> tuple[torch.device, str]:
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)
+        use_fla_tuning(local)  # before anything imports fla: its kernels start from tuned configs, not autotuning
         return torch.device("cuda", local), backend
     return torch.device("cpu"), backend
+
+
+def keep_fla_tuning(folder: str) -> None:
+    """Write fla's autotune choices after the first step, for the next process or node; a folder that cannot be
+    written costs a warning, not the run."""
+    try:
+        count = write_fla_tuning(folder)
+    except (OSError, ImportError) as exc:
+        print(f"[sft-train] warning: {TUNING_DIR_ENV}={folder!r}: fla's kernel configs not written: {exc}", flush=True)
+    else:
+        print(f"[sft-train] fla kernel configs: {count} choices written to {folder}", flush=True)
 
 
 def _memory_gib(device: torch.device) -> float:
@@ -223,7 +236,12 @@ def worker(cfg) -> dict[str, Any]:
             print(
                 f"[sft-train] dp={dp} cp={cp} backend={backend} device={device.type}; "
                 f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; data: {data_stats}; packing "
-                f"efficiency {rows.efficiency:.2%} (document tokens / row tokens)",
+                f"efficiency {rows.efficiency:.2%} (document tokens / row tokens)"
+                + (
+                    f"; fla kernel configs from {os.environ['FLA_CONFIG_DIR']}"
+                    if "FLA_CONFIG_DIR" in os.environ
+                    else ""
+                ),
                 flush=True,
             )
         losses = []
@@ -273,6 +291,8 @@ def worker(cfg) -> dict[str, Any]:
             if rank == 0:
                 metrics.write(stats)
                 progress.update(stats)
+                if step == start_step and device.type == "cuda" and os.environ.get(TUNING_DIR_ENV):
+                    keep_fla_tuning(os.environ[TUNING_DIR_ENV])
             nonfinite = nonfinite + 1 if skipped else 0  # skipped is the same on every rank (all-reduced)
             if nonfinite >= cfg.train.max_nonfinite_steps:
                 _stop(
