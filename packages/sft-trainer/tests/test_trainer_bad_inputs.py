@@ -111,6 +111,10 @@ def _worker_case(tmp_path, case: str) -> tuple[list[str], str]:
     if case == "template_escapes_the_sandbox":
         tok = _tokenizer_with_template(tmp_path / "tok", "{{ ''.__class__.__mro__[1].__subclasses__() }}")
         return ["--data.tokenizer", str(tok)], "its chat template fails: SecurityError: access to attribute"
+    if case == "tokenizer_json_corrupt":  # its files are there (the launcher's check passes); they do not parse
+        tok = shutil.copytree(SHIPPED_TOKENIZER, tmp_path / "tok")
+        (tok / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE", "vocab": \n[1, 2')
+        return ["--data.tokenizer", str(tok)], f"sft-train: data.tokenizer={str(tok)!r} does not load: "
     if case == "no_loss_token":
         return ["--data.seq_len", "8"], "no packed row holds a loss token"
     raise AssertionError(case)
@@ -122,6 +126,7 @@ WORKER_CASES = [
     "shapes_disagree_with_config",
     "template_raises",
     "template_escapes_the_sandbox",
+    "tokenizer_json_corrupt",
     "no_loss_token",
 ]
 

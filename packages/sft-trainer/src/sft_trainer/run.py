@@ -181,7 +181,7 @@ def worker(cfg) -> dict[str, Any]:
         try:
             tokenizer = load_tokenizer(cfg.tokenizer_path)
         except Exception as exc:
-            _stop(rank, f"data.tokenizer={str(cfg.tokenizer_path)!r} does not load: {type(exc).__name__}: {exc}")
+            _stop(rank, f"data.tokenizer={str(cfg.tokenizer_path)!r} does not load: {one_line(exc)}")
         image_processor = None
         if cfg.vision_language and cfg.processor_path:
             from sft_trainer.data import load_image_processor
