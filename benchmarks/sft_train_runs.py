@@ -146,7 +146,7 @@ def main() -> None:
     parser.add_argument("--runs", type=Path, default=Path("docs/benchmarks/sft_train_gpu"))
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/sft_train_gpu.md"))
     parser.add_argument(
-        "--command", default="bash benchmarks/gpu_train.sh 8k; ... 32k; ... more; ... final; ... compare"
+        "--command", default="bash benchmarks/gpu_train.sh 8k; ... 32k; ... more; ... final; ... compare; ... cold"
     )
     args = parser.parse_args()
     text = tables(args.runs, args.command)

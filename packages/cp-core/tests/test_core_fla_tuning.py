@@ -65,6 +65,9 @@ def test_shipped_folders_hold_fla_config_files():
     import json
 
     files = sorted(fla_tuning.SHIPPED_TUNING.glob("*/*.json"))
+    assert files
+    gpus = {path.parent.name for path in files}
+    assert gpu_folder_name("NVIDIA H100 80GB HBM3") in gpus
     for path in files:
         data = json.loads(path.read_text())
         assert data["kernel_name"] == path.stem

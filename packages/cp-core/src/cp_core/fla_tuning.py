@@ -73,8 +73,11 @@ def _fla_autotuners() -> list:
         if module is None or not (name == "fla" or name.startswith("fla.")):
             continue
         for value in list(vars(module).values()):
-            if isinstance(value, CachedAutotuner):
-                found[id(value)] = value
+            for _ in range(4):  # a kernel's decorators nest (triton.heuristics around the autotuner): follow .fn
+                if isinstance(value, CachedAutotuner):
+                    found[id(value)] = value
+                    break
+                value = getattr(value, "fn", None)
     return list(found.values())
 
 
