@@ -7,7 +7,7 @@
 #   3. warm: the Triton cache of run 2 (compiled kernels) present
 #   bash benchmarks/gpu_speed.sh            # results under $OUT: autotune/ tuned/ warm/ fla_tuning/
 #   SYNCS=1 bash benchmarks/gpu_speed.sh    # then where the step makes the host wait (benchmarks/host_syncs.py)
-# The folder $OUT/fla_tuning is what packages/cp-core/src/cp_core/fla_tuning/<GPU name>/ ships.
+# $OUT/fla_tuning/<GPU name>/fla-<version>/ is what packages/cp-core/src/cp_core/fla_tuning/ ships for that GPU.
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$(ls -d "$PWD"/packages/*/src | paste -sd:)
 export PYTHONUNBUFFERED=1

@@ -328,7 +328,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="toy widths (CPU check of the code paths)")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     parser.add_argument("--write-fla-tuning", type=Path, metavar="DIR",
-                        help="after the rows, write fla's autotune choices into DIR (cp_core.fla_tuning)")  # fmt: skip
+                        help="after the rows, write fla's autotune choices into DIR/<GPU name>/fla-<version> "
+                        "(cp_core.fla_tuning; DIR may be a CP_FLA_TUNING_DIR or cp_core's shipped fla_tuning)")  # fmt: skip
     args = parser.parse_args()
     if args.device.startswith("cuda"):
         from cp_core.fla_tuning import use_fla_tuning
@@ -347,9 +348,10 @@ def main() -> None:
                   first_limit_s=args.first_step_limit_s)  # fmt: skip
     print(write_table(rows, args.out, device_name, args.reps, sys.argv[1:]))
     if args.write_fla_tuning:
-        from cp_core.fla_tuning import write_fla_tuning
+        from cp_core.fla_tuning import tuning_folder, write_fla_tuning
 
-        print(f"fla tuning: {write_fla_tuning(args.write_fla_tuning)} choices written to {args.write_fla_tuning}")
+        folder = tuning_folder(args.write_fla_tuning, torch.device(args.device))
+        print(f"fla tuning: {write_fla_tuning(folder)} choices written to {folder}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import textwrap
 import pytest
 import torch
 
+from cp_core.fla_tuning import tuning_folder
 from cp_core.recurrent_backends import fla_available
 
 pytestmark = [
@@ -26,7 +27,7 @@ _STEP = textwrap.dedent(
     """
     import json, sys
     import torch
-    from cp_core.fla_tuning import use_fla_tuning, write_fla_tuning, _fla_autotuners
+    from cp_core.fla_tuning import tuning_folder, use_fla_tuning, write_fla_tuning, _fla_autotuners
     folder = use_fla_tuning(0)
     from cp_core.gated_delta import gated_delta_rule
     torch.manual_seed(0)
@@ -39,7 +40,7 @@ _STEP = textwrap.dedent(
     o.float().square().sum().backward()
     torch.cuda.synchronize()
     if sys.argv[1] != "-":
-        write_fla_tuning(sys.argv[1])
+        write_fla_tuning(tuning_folder(sys.argv[1], 0))
     timed = sorted({t.kernel_name for t in _fla_autotuners() if hasattr(t, "bench_time")})
     print(json.dumps({"folder": str(folder), "timed": timed, "out": o.float().sum().item(),
                       "grads": [x.grad.float().norm().item() for x in (q, k, v, g, beta)]}))
@@ -58,11 +59,12 @@ def test_written_configs_replace_autotuning_in_a_fresh_process(tmp_path):
     env["FLA_CACHE_RESULTS"] = "0"
     first = _run({**env, "FLA_CACHE_MODE": "disabled"}, str(tmp_path))
     assert first["timed"], "the first process should have autotuned fla's kernels"
-    written = {p.stem for p in tmp_path.glob("*.json")}
+    folder = tuning_folder(tmp_path, 0)  # tmp_path/<GPU name>/fla-<version>
+    written = {p.stem for p in folder.glob("*.json")}
     assert set(first["timed"]) <= written
 
     second = _run({**env, "CP_FLA_TUNING_DIR": str(tmp_path)}, "-")
-    assert second["folder"] == str(tmp_path)
+    assert second["folder"] == str(folder)
     assert second["timed"] == [], f"kernels autotuned despite written configs: {second['timed']}"
     assert second["out"] == pytest.approx(first["out"], rel=1e-3)
     assert second["grads"] == pytest.approx(first["grads"], rel=1e-3)

@@ -2,12 +2,14 @@
 
 fla's Triton kernels autotune on their first call in a process: every candidate config compiles and runs, which is
 most of a model's first step (minutes). fla reads the winning configs from ``{kernel}.json`` files in
-``FLA_CONFIG_DIR`` when ``FLA_CACHE_MODE`` is set as it is imported. :func:`use_fla_tuning` points it at a folder
-for this GPU before that import: the one named by ``CP_FLA_TUNING_DIR``, else the one shipped in this package for
-the GPU's name (``fla_tuning/<GPU name>/``, made by ``benchmarks/model_step.py --write-fla-tuning`` on that GPU).
-The mode is fla's ``strict``: a kernel whose tuning key (head counts, head dims, block sizes, dtypes; never the
-row length) has no entry autotunes as before. :func:`write_fla_tuning` writes this process's choices into a
-folder, for later processes and the other nodes of a cluster.
+``FLA_CONFIG_DIR`` when ``FLA_CACHE_MODE`` is set as it is imported. :func:`use_fla_tuning` points it at the folder
+for this GPU and fla version before that import: under ``$CP_FLA_TUNING_DIR`` when set, else under the folder
+shipped in this package (``fla_tuning/``, made by ``benchmarks/model_step.py --write-fla-tuning`` on that GPU);
+either way ``<root>/<GPU name>/fla-<version>/``, since a config tuned on one GPU may not even compile on another and
+a kernel's parameters may change between fla versions. The mode is fla's ``strict``: a kernel whose tuning key
+(head counts, head dims, block sizes, dtypes; not the row length) has no entry autotunes as before.
+:func:`write_fla_tuning` writes this process's choices into a folder, for later processes and the other nodes of a
+cluster.
 
 A user who sets ``FLA_CONFIG_DIR`` or ``FLA_CACHE_MODE`` keeps fla as they set it (``FLA_CACHE_MODE=disabled``
 turns the shipped choices off).
@@ -15,6 +17,7 @@ turns the shipped choices off).
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
@@ -36,14 +39,29 @@ def gpu_folder_name(device_name: str) -> str:
     return re.sub(r"[^0-9A-Za-z]+", "_", device_name).strip("_") or "unknown_gpu"
 
 
+def fla_version() -> str | None:
+    """The installed fla's version, read without importing it (None when fla is not installed)."""
+    for dist in ("fla-core", "flash-linear-attention"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def tuning_folder(root: str | os.PathLike, device: torch.device | int | None = None) -> Path:
+    """``root/<GPU name>/fla-<version>``: where the configs of this GPU and fla version live under ``root``."""
+    return Path(root) / gpu_folder_name(torch.cuda.get_device_name(device)) / f"fla-{fla_version()}"
+
+
 def fla_tuning_dir(device: torch.device | int | None = None) -> Path | None:
-    """The folder of tuned configs this process would use on ``device``: ``$CP_FLA_TUNING_DIR`` when set, else the
-    shipped folder for the GPU's name when there is one, else None."""
-    if os.environ.get(TUNING_DIR_ENV):
-        return Path(os.environ[TUNING_DIR_ENV])
-    if not torch.cuda.is_available():
+    """The folder of tuned configs this process would use on ``device``: under ``$CP_FLA_TUNING_DIR`` when set,
+    else the shipped folder for the GPU and fla version when there is one, else None (no GPU, no fla)."""
+    if not torch.cuda.is_available() or fla_version() is None:
         return None
-    shipped = SHIPPED_TUNING / gpu_folder_name(torch.cuda.get_device_name(device))
+    if os.environ.get(TUNING_DIR_ENV):
+        return tuning_folder(os.environ[TUNING_DIR_ENV], device)
+    shipped = tuning_folder(SHIPPED_TUNING, device)
     return shipped if shipped.is_dir() else None
 
 

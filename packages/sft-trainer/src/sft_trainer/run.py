@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from cp_core import CPTopology
-from cp_core.fla_tuning import TUNING_DIR_ENV, use_fla_tuning, write_fla_tuning
+from cp_core.fla_tuning import TUNING_DIR_ENV, fla_tuning_dir, use_fla_tuning, write_fla_tuning
 from sft_trainer.checkpoint import data_change_problem, maybe_resume, resume_checkpoint, save_checkpoint
 from sft_trainer.job_failure import announce_store, report_exception, say_once
 from sft_trainer.model import ModelLoadError, build_model, one_line
@@ -118,13 +118,16 @@ def _device_and_backend(cfg) -> tuple[torch.device, str]:
     return torch.device("cpu"), backend
 
 
-def keep_fla_tuning(folder: str) -> None:
-    """Write fla's autotune choices after the first step, for the next process or node; a folder that cannot be
-    written costs a warning, not the run."""
+def keep_fla_tuning(device: torch.device) -> None:
+    """Write fla's autotune choices under ``$CP_FLA_TUNING_DIR`` after the first step, for the next process or
+    node; a folder that cannot be written costs a warning, not the run."""
+    folder = fla_tuning_dir(device)
+    if folder is None:  # fla is not installed
+        return
     try:
         count = write_fla_tuning(folder)
     except (OSError, ImportError) as exc:
-        print(f"[sft-train] warning: {TUNING_DIR_ENV}={folder!r}: fla's kernel configs not written: {exc}", flush=True)
+        print(f"[sft-train] warning: {TUNING_DIR_ENV}: fla's kernel configs not written to {folder}: {exc}", flush=True)
     else:
         print(f"[sft-train] fla kernel configs: {count} choices written to {folder}", flush=True)
 
@@ -292,7 +295,7 @@ def worker(cfg) -> dict[str, Any]:
                 metrics.write(stats)
                 progress.update(stats)
                 if step == start_step and device.type == "cuda" and os.environ.get(TUNING_DIR_ENV):
-                    keep_fla_tuning(os.environ[TUNING_DIR_ENV])
+                    keep_fla_tuning(device)
             nonfinite = nonfinite + 1 if skipped else 0  # skipped is the same on every rank (all-reduced)
             if nonfinite >= cfg.train.max_nonfinite_steps:
                 _stop(
