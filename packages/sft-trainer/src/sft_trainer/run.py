@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from cp_core import CPTopology
+from cp_core import ContextParallelError, CPTopology
 from cp_core.fla_tuning import TUNING_DIR_ENV, fla_tuning_dir, use_fla_tuning, write_fla_tuning
 from sft_trainer.checkpoint import data_change_problem, maybe_resume, resume_checkpoint, save_checkpoint
 from sft_trainer.job_failure import announce_store, report_exception, say_once
@@ -126,7 +126,7 @@ def keep_fla_tuning(device: torch.device) -> None:
         return
     try:
         count = write_fla_tuning(folder)
-    except (OSError, ImportError) as exc:
+    except (OSError, ImportError, ContextParallelError) as exc:  # unwritable, or an fla without its config cache
         print(f"[sft-train] warning: {TUNING_DIR_ENV}: fla's kernel configs not written to {folder}: {exc}", flush=True)
     else:
         print(f"[sft-train] fla kernel configs: {count} choices written to {folder}", flush=True)
