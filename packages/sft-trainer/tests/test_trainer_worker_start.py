@@ -26,16 +26,17 @@ def probe(rank, out, beats):
 
 _DRIVER = """
 import os, sys
+import signal
 from sft_trainer.worker_start import WorkerStart
+handler, mask = signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, [])  # as started
 workers = WorkerStart()
 assert workers.import_ahead() and workers.method == "forkserver"
-import signal
 from sft_trainer.worker_start import _fork_server
 server = _fork_server()._forkserver_pid
 ignored = int(next(l for l in open(f"/proc/{server}/status") if l.startswith("SigIgn:")).split()[1], 16)
 assert ignored & (1 << (signal.SIGINT - 1)), "the server ignores SIGINT"
-assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the launcher's own, back
-assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+assert signal.getsignal(signal.SIGINT) is handler  # the launcher's own, back (ignored under `nohup ... &`)
+assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask
 os.environ["SFT_PROBE"] = "set after the server started"
 from probe import probe
 from sft_trainer.watchdog import run_workers
