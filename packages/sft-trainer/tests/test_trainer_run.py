@@ -303,3 +303,26 @@ def test_nemotron_h_trains_under_both_mamba_strategies(nemotron_runs):
     with torch.no_grad():
         ref_logits = hf(ids[None]).logits[0]
         assert ((ours(ids, [24]).logits - ref_logits).abs().max() / ref_logits.abs().max()) < 1e-5
+
+
+def test_fla_configs_are_written_under_cp_fla_tuning_dir_only(monkeypatch, tmp_path):
+    """After the first GPU step rank 0 writes fla's choices into $CP_FLA_TUNING_DIR/<GPU>/fla-<version>; without
+    that variable, or without fla, nothing is written (never into the package's shipped folder)."""
+    from cp_core import fla_tuning
+    from sft_trainer import run
+
+    written = []
+    monkeypatch.setattr(run, "write_fla_tuning", lambda folder: written.append(folder) or 0)
+    monkeypatch.setattr(run, "fla_version", lambda: "0.6.0")
+    monkeypatch.setattr(fla_tuning, "fla_version", lambda: "0.6.0")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.delenv(fla_tuning.TUNING_DIR_ENV, raising=False)
+    run.keep_fla_tuning(torch.device("cuda", 0))
+    assert written == []
+    monkeypatch.setenv(fla_tuning.TUNING_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(run, "fla_version", lambda: None)
+    run.keep_fla_tuning(torch.device("cuda", 0))
+    assert written == []
+    monkeypatch.setattr(run, "fla_version", lambda: "0.6.0")
+    run.keep_fla_tuning(torch.device("cuda", 0))
+    assert written == [tmp_path / "NVIDIA_H100_80GB_HBM3" / "fla-0.6.0"]

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from cp_core import ContextParallelError, CPTopology
-from cp_core.fla_tuning import TUNING_DIR_ENV, fla_tuning_dir, use_fla_tuning, write_fla_tuning
+from cp_core.fla_tuning import TUNING_DIR_ENV, fla_version, tuning_folder, use_fla_tuning, write_fla_tuning
 from sft_trainer.checkpoint import data_change_problem, maybe_resume, resume_checkpoint, save_checkpoint
 from sft_trainer.job_failure import announce_store, report_exception, say_once
 from sft_trainer.model import ModelLoadError, build_model, one_line
@@ -119,11 +119,12 @@ def _device_and_backend(cfg) -> tuple[torch.device, str]:
 
 
 def keep_fla_tuning(device: torch.device) -> None:
-    """Write fla's autotune choices under ``$CP_FLA_TUNING_DIR`` after the first step, for the next process or
-    node; a folder that cannot be written costs a warning, not the run."""
-    folder = fla_tuning_dir(device)
-    if folder is None:  # fla is not installed
+    """Write fla's autotune choices under ``$CP_FLA_TUNING_DIR`` (when set and fla is installed) after the first
+    step, for the next process or node; a folder that cannot be written costs a warning, not the run."""
+    root = os.environ.get(TUNING_DIR_ENV)
+    if not root or fla_version() is None:  # never the package's shipped folder
         return
+    folder = tuning_folder(root, device)
     try:
         count = write_fla_tuning(folder)
     except (OSError, ImportError, ContextParallelError) as exc:  # unwritable, or an fla without its config cache
@@ -294,7 +295,7 @@ def worker(cfg) -> dict[str, Any]:
             if rank == 0:
                 metrics.write(stats)
                 progress.update(stats)
-                if step == start_step and device.type == "cuda" and os.environ.get(TUNING_DIR_ENV):
+                if step == start_step and device.type == "cuda":
                     keep_fla_tuning(device)
             nonfinite = nonfinite + 1 if skipped else 0  # skipped is the same on every rank (all-reduced)
             if nonfinite >= cfg.train.max_nonfinite_steps:
