@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from cp_core import CPTopology, build_packed_metadata
 from cp_core.conv import causal_conv1d_cp
-from cp_core.gated_delta import PREPASS_SEGMENT_TOKENS, gated_delta_rule_cp
+from cp_core.gated_delta import PREPASS_SEGMENT_TOKENS, GatedDecay, gated_delta_rule_cp
 from cp_core.packing import PackedRowMetadata
 from cp_core.ssd import ssd_cp
 from cp_core.state_passing import pass_states
@@ -167,6 +167,24 @@ def gdn_case(
     )  # fmt: skip
 
 
+def gdn_gated_decay_case(
+    module: None,
+    metadata: PackedRowMetadata,
+    topology: CPTopology,
+    *,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    b: torch.Tensor,
+) -> torch.Tensor:
+    """The decay as its inputs and beta as logits (how Qwen3.5 calls it): the pre-pass slices them as well."""
+    decay = GatedDecay(a, A_log, dt_bias)
+    return gated_delta_rule_cp(q, k, v, decay, b, metadata, topology, qk_l2norm=True, beta_logits=True, backend="torch")
+
+
 # --------------------------------------------------------------------------------------------------------
 # Inputs
 
@@ -215,6 +233,20 @@ def gdn_inputs(
 
 GDN_SEQ_DIMS = dict.fromkeys(("q", "k", "v", "g", "beta"), 0)
 
+
+def gdn_gated_decay_inputs(total: int, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Decay inputs whose ``-exp(A_log) softplus(a + dt_bias)`` is about -0.1 a token, like gdn_inputs' g."""
+    inputs = {n: x for n, x in gdn_inputs(total, seed, dtype, ratio=2).items() if n not in ("g", "beta")}
+    hv = inputs["v"].size(1)
+    inputs["a"] = randn(total, hv, seed=seed + 5, dtype=dtype)
+    inputs["A_log"] = (0.3 * randn(hv, seed=seed + 6, dtype=torch.float64)).to(dtype)
+    inputs["dt_bias"] = (randn(hv, seed=seed + 7, dtype=torch.float64) - 2.5).to(dtype)
+    inputs["b"] = randn(total, hv, seed=seed + 8, dtype=dtype)
+    return inputs
+
+
+GDN_GATED_DECAY_SEQ_DIMS = {"q": 0, "k": 0, "v": 0, "a": 0, "A_log": None, "dt_bias": None, "b": 0}
+
 # name: (case, make_inputs(total, seed, dtype), seq_dims, expected gradient names)
 CONV_CONFIGS = {
     "conv_w4_bias_silu": (functools.partial(conv_case, activation="silu"), CONV_WIDTH, True),
@@ -243,6 +275,7 @@ def configs() -> dict[str, tuple]:
     )
     for name, (ratio, options) in GDN_CONFIGS.items():
         out[name] = (functools.partial(gdn_case, **options), functools.partial(gdn_inputs, ratio=ratio), GDN_SEQ_DIMS)
+    out["gdn_gated_decay"] = (gdn_gated_decay_case, gdn_gated_decay_inputs, GDN_GATED_DECAY_SEQ_DIMS)
     return out
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from gpu_agreement import LENS, TOL, compare, leaves
 
 from cp_core.conv import _fla_causal_conv1d, causal_conv1d_torch
-from cp_core.gated_delta import chunk_gated_delta_rule_torch, gated_delta_rule, prepass_summary
+from cp_core.gated_delta import GatedDecay, chunk_gated_delta_rule_torch, gated_delta_rule, prepass_summary
 from cp_core.packing import build_packed_metadata
 from cp_core.recurrent_backends import fla_available
 from cp_core.ssd import chunk_ssd_torch, ssd
@@ -59,6 +59,36 @@ def test_gated_delta_rule_fla_matches_torch(hk, hv):
 
     fast_in, ref_in = leaves(bf16), leaves(bf16)
     compare(f"gdn hk={hk} hv={hv}", run(fast_in, "fla"), run(ref_in, "torch"), fast_in, ref_in)
+
+
+def test_gated_decay_in_fla_kernel_matches_torch():
+    """The decay from its inputs and beta from logits inside fla's kernel (``use_gate_in_kernel``,
+    ``use_beta_sigmoid_in_kernel``; how Qwen3.5 calls it) against the torch path: output, final state and the
+    gradients of every input, A_log and dt_bias included."""
+    torch.manual_seed(2)
+    t, hk, hv, dk, dv = sum(LENS), 16, 32, 128, 128
+    base = {
+        "q": torch.randn(t, hk, dk, device="cuda"),
+        "k": torch.randn(t, hk, dk, device="cuda"),
+        "v": torch.randn(t, hv, dv, device="cuda"),
+        "a": torch.randn(t, hv, device="cuda"),
+        "A_log": torch.rand(hv, device="cuda").mul(16).add(0.01).log(),
+        "dt_bias": torch.ones(hv, device="cuda"),
+        "b": torch.randn(t, hv, device="cuda"),
+        "h0": 0.1 * torch.randn(len(LENS), hv, dk, dv, device="cuda"),
+    }
+    bf16 = {n: (x if n == "h0" else x.bfloat16()) for n, x in base.items()}
+
+    def run(inputs, backend):
+        cast = (lambda x: x) if backend == "fla" else (lambda x: x.float())
+        q, k, v, a, a_log, dt_bias, b = (cast(inputs[n]) for n in ("q", "k", "v", "a", "A_log", "dt_bias", "b"))
+        return gated_delta_rule(
+            q, k, v, GatedDecay(a, a_log, dt_bias), b, seq_lens=LENS, initial_state=inputs["h0"], qk_l2norm=True,
+            beta_logits=True, backend=backend,
+        )  # fmt: skip
+
+    fast_in, ref_in = leaves(bf16), leaves(bf16)
+    compare("gdn gated decay in kernel", run(fast_in, "fla"), run(ref_in, "torch"), fast_in, ref_in)
 
 
 def test_gated_delta_rule_identity_columns_fla_matches_torch():

@@ -15,6 +15,7 @@ from cp_core import ContextParallelError, CPTopology, build_packed_metadata
 from cp_core.chunking import build_chunk_layout
 from cp_core.conv import causal_conv1d, causal_conv1d_cp, naive_causal_conv1d
 from cp_core.gated_delta import (
+    GatedDecay,
     chunk_gated_delta_rule_torch,
     gated_delta_rule,
     gated_delta_rule_cp,
@@ -276,6 +277,41 @@ def test_gated_delta_without_cp_is_the_local_run():
     o = gated_delta_rule_cp(**inputs, metadata=metadata, topology=CPTopology.single(), qk_l2norm=True, backend="torch")
     o_ref, _ = gated_delta_rule(**inputs, seq_lens=seq_lens, qk_l2norm=True, backend="torch")
     assert torch.equal(o, o_ref)
+
+
+def test_gated_decay_and_beta_logits_equal_the_explicit_tensors():
+    """g given as its inputs (GatedDecay) and beta as logits: the same output and gradients, through a, A_log,
+    dt_bias and the logits, as the explicit ``-exp(A_log) softplus(a + dt_bias)`` and ``sigmoid(b)`` (fp64)."""
+    seq_lens = LAYOUTS["mixed"]
+    base = gdn_inputs(seq_lens, ratio=2, seed=21)
+    t, hv = base["beta"].shape
+    raw = {
+        "a": randn(t, hv, seed=22),
+        "A_log": 0.3 * randn(hv, seed=23),
+        "dt_bias": randn(hv, seed=24) - 1,
+        "b": randn(t, hv, seed=25),
+    }
+
+    def run(explicit: bool):
+        leaves = {n: x.detach().clone().requires_grad_() for n, x in raw.items()}
+        if explicit:
+            g = -leaves["A_log"].exp() * F.softplus(leaves["a"] + leaves["dt_bias"])
+            beta, logits = leaves["b"].sigmoid(), False
+        else:
+            g, beta, logits = GatedDecay(leaves["a"], leaves["A_log"], leaves["dt_bias"]), leaves["b"], True
+        o = gated_delta_rule_cp(
+            base["q"], base["k"], base["v"], g, beta, build_packed_metadata(seq_lens), CPTopology.single(),
+            qk_l2norm=True, beta_logits=logits, backend="torch",
+        )  # fmt: skip
+        o.backward(randn(*o.shape, seed=26))
+        return o, {n: x.grad for n, x in leaves.items()}
+
+    (o, grads), (o_ref, grads_ref) = run(False), run(True)
+    assert max_abs(o, o_ref) < 1e-12
+    for name in raw:
+        assert grads_ref[name].abs().max() > 1e-3, name  # the gradient reaches every input
+        assert max_abs(grads[name], grads_ref[name]) < 1e-12, name
+    assert GatedDecay(raw["a"], raw["A_log"])[2:5].shape == (3, hv)
 
 
 # --------------------------------------------------------------------------------------------------------

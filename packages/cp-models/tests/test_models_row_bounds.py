@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cp_core.conv import causal_conv1d_torch
-from cp_core.gated_delta import chunk_gated_delta_rule_torch
+from cp_core.gated_delta import GatedDecay, chunk_gated_delta_rule_torch
 from cp_core.packing import position_ids_from_seq_lens
 from cp_core.ssd import chunk_ssd_torch
 from cp_core.varlen_attention import torch_varlen_attention
@@ -47,8 +47,10 @@ def _fake_gpu_kernels(monkeypatch, log: KernelLog) -> None:
         positions = position_ids_from_seq_lens(list(bounds.seq_lens))
         return causal_conv1d_torch(x, weight, bias, activation, positions, halo)
 
-    def gated_delta(q, k, v, g, beta, *, bounds, scale, initial_state, qk_l2norm):
+    def gated_delta(q, k, v, g, beta, *, bounds, scale, initial_state, qk_l2norm, beta_logits):
         log.bounds.append(bounds)
+        g = g.log_decay() if isinstance(g, GatedDecay) else g  # what fla computes inside its kernel
+        beta = beta.sigmoid() if beta_logits else beta
         return chunk_gated_delta_rule_torch(
             q, k, v, g, beta, seq_lens=bounds.seq_lens, scale=scale, initial_state=initial_state, qk_l2norm=qk_l2norm
         )

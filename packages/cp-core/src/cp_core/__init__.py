@@ -27,6 +27,7 @@ from cp_core.attention_styles import (
 from cp_core.conv import causal_conv1d, causal_conv1d_cp, exchange_halo, naive_causal_conv1d
 from cp_core.errors import ContextParallelError
 from cp_core.gated_delta import (
+    GatedDecay,
     chunk_gated_delta_rule_torch,
     gated_delta_rule,
     gated_delta_rule_cp,
@@ -74,6 +75,7 @@ __all__ = [
     "AttentionCPStyle",
     "CPTopology",
     "ContextParallelError",
+    "GatedDecay",
     "PackedRowMetadata",
     "RecurrentBackend",
     "build_packed_metadata",

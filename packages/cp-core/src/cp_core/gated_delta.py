@@ -18,9 +18,12 @@ and the main pass starts from it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from cp_core.chunking import build_chunk_layout
@@ -31,6 +34,36 @@ from cp_core.packing import PackedRowMetadata
 from cp_core.recurrent_backends import RecurrentBackend, resolve_recurrent_backend
 from cp_core.state_passing import pass_states
 from cp_core.topology import CPTopology
+
+
+@dataclass(frozen=True)
+class GatedDecay:
+    """GDN's log decay ``g = -exp(A_log) * softplus(a + dt_bias)`` [T, Hv], given by its inputs so that fla computes
+    it inside its chunk kernel (``use_gate_in_kernel``: no [T, Hv] fp32 tensor and none of the ~8 elementwise
+    launches of forward and backward); the torch paths take :meth:`log_decay`. Accepted wherever ``g`` is."""
+
+    a: torch.Tensor  # [T, Hv], the projection's output
+    A_log: torch.Tensor  # [Hv]
+    dt_bias: torch.Tensor | None = None  # [Hv]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.a.shape
+
+    def __getitem__(self, tokens: slice) -> GatedDecay:
+        return GatedDecay(self.a[tokens], self.A_log, self.dt_bias)
+
+    def log_decay(self) -> torch.Tensor:
+        """``g`` in at least fp32."""
+        a = upcast(self.a)
+        if self.dt_bias is not None:
+            a = a + self.dt_bias
+        return -upcast(self.A_log).exp() * F.softplus(a)
+
+
+def _decay_tensors(g: torch.Tensor | GatedDecay, beta: torch.Tensor, beta_logits: bool):
+    """``(g, beta)`` as the torch paths take them: the log decay and beta after its sigmoid."""
+    return (g.log_decay() if isinstance(g, GatedDecay) else g), (beta.sigmoid() if beta_logits else beta)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -161,19 +194,29 @@ def chunk_gated_delta_rule_torch(
     return o.to(out_dtype), torch.stack(finals)
 
 
-def _chunk_gated_delta_rule_fla(q, k, v, g, beta, *, bounds: DocumentBounds, scale, initial_state, qk_l2norm):
+def _chunk_gated_delta_rule_fla(
+    q, k, v, g, beta, *, bounds: DocumentBounds, scale, initial_state, qk_l2norm, beta_logits
+):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
+    gate = {}
+    if isinstance(g, GatedDecay):
+        gate = {"use_gate_in_kernel": True, "A_log": g.A_log, "dt_bias": g.dt_bias}
+        g = g.a
+    else:
+        g = g.float()
     o, final = chunk_gated_delta_rule(
         q.unsqueeze(0),
         k.unsqueeze(0),
         v.unsqueeze(0),
-        g.unsqueeze(0).float(),
+        g.unsqueeze(0),
         beta.unsqueeze(0),
         scale=scale,
         initial_state=initial_state,
         output_final_state=True,
         use_qk_l2norm_in_kernel=qk_l2norm,
+        use_beta_sigmoid_in_kernel=beta_logits,
+        **gate,
         **bounds.fla_kwargs(),
     )
     return o.squeeze(0), final
@@ -183,25 +226,29 @@ def gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
+    g: torch.Tensor | GatedDecay,
     beta: torch.Tensor,
     *,
     seq_lens: Sequence[int],
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     qk_l2norm: bool = False,
+    beta_logits: bool = False,
     backend: RecurrentBackend = "auto",
     bounds: DocumentBounds | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated delta rule over local documents ``seq_lens`` with the chosen backend (no CP). ``bounds``: their kernel
     boundaries on q's device, when the caller holds them (a layer: its row's
-    :class:`~cp_core.document_bounds.RowBounds`)."""
+    :class:`~cp_core.document_bounds.RowBounds`). ``g`` may be a :class:`GatedDecay`; ``beta_logits``: ``beta``
+    holds logits, and its sigmoid is taken here (inside fla's kernel on that path)."""
     _check(q, k, v, g, beta, seq_lens, initial_state)
     if resolve_recurrent_backend(backend, q, "gated_delta") == "fla":
         bounds = bounds if bounds is not None else build_document_bounds(seq_lens, q.device)
         return _chunk_gated_delta_rule_fla(
-            q, k, v, g, beta, bounds=bounds, scale=scale, initial_state=initial_state, qk_l2norm=qk_l2norm
-        )
+            q, k, v, g, beta, bounds=bounds, scale=scale, initial_state=initial_state, qk_l2norm=qk_l2norm,
+            beta_logits=beta_logits,
+        )  # fmt: skip
+    g, beta = _decay_tensors(g, beta, beta_logits)
     return chunk_gated_delta_rule_torch(
         q, k, v, g, beta, seq_lens=seq_lens, scale=scale, initial_state=initial_state, qk_l2norm=qk_l2norm
     )
@@ -238,12 +285,13 @@ def prepass_summary(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
+    g: torch.Tensor | GatedDecay,
     beta: torch.Tensor,
     *,
     with_transition: bool,
     scale: float | None = None,
     qk_l2norm: bool = False,
+    beta_logits: bool = False,
     backend: RecurrentBackend = "auto",
     segment_tokens: int | None = PREPASS_SEGMENT_TOKENS,
     bounds_for: Callable[[Sequence[int]], DocumentBounds] | None = None,
@@ -271,11 +319,11 @@ def prepass_summary(
         lens = (v_s.size(0),)
         _, final = gated_delta_rule(
             q_s, k_s, v_s, g_s, beta_s, seq_lens=lens, scale=scale, initial_state=initial, qk_l2norm=qk_l2norm,
-            backend=backend, bounds=bounds_for(lens) if bounds_for is not None else None,
+            beta_logits=beta_logits, backend=backend, bounds=bounds_for(lens) if bounds_for is not None else None,
         )  # fmt: skip
         return final[0]
 
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, beta, *_decay_leaves(g)))
     segmented = needs_grad and segment_tokens is not None
     step = segment_tokens if segmented else q.size(0)
     for start in range(0, q.size(0), step):
@@ -287,17 +335,24 @@ def prepass_summary(
     return state
 
 
+def _decay_leaves(g: torch.Tensor | GatedDecay) -> tuple[torch.Tensor, ...]:
+    if isinstance(g, GatedDecay):
+        return tuple(t for t in (g.a, g.A_log, g.dt_bias) if t is not None)
+    return (g,)
+
+
 def gated_delta_rule_cp(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
+    g: torch.Tensor | GatedDecay,
     beta: torch.Tensor,
     metadata: PackedRowMetadata,
     topology: CPTopology,
     *,
     scale: float | None = None,
     qk_l2norm: bool = False,
+    beta_logits: bool = False,
     backend: RecurrentBackend = "auto",
     prepass_segment_tokens: int | None = PREPASS_SEGMENT_TOKENS,
 ) -> torch.Tensor:
@@ -309,6 +364,7 @@ def gated_delta_rule_cp(
     identity state columns when the state passes through this rank, to get the transition ``M``). With gradients
     on, the pre-pass runs in activation-checkpointed segments of ``prepass_segment_tokens`` (a multiple of 64), so
     it costs one more forward of itself but almost no memory; None runs it in one piece and keeps its activations.
+    ``g`` may be a :class:`GatedDecay` and ``beta`` logits (``beta_logits``): fla then applies both in its kernel.
     """
     _check_segment_tokens(prepass_segment_tokens)  # before any collective
     if q.size(0) != metadata.local_len:
@@ -323,8 +379,9 @@ def gated_delta_rule_cp(
     bounds = row.local if row is not None else None
     if not topology.enabled:
         return gated_delta_rule(
-            q, k, v, g, beta, seq_lens=lens, scale=scale, qk_l2norm=qk_l2norm, backend=backend, bounds=bounds
-        )[0]
+            q, k, v, g, beta, seq_lens=lens, scale=scale, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
+            backend=backend, bounds=bounds,
+        )[0]  # fmt: skip
     # The pre-pass reads q, k and v again after the main pass's kernel has taken its own copies (fla normalizes q
     # and k and copies a non-contiguous v): its checkpoint would keep the originals, in Qwen3.5 views of the whole
     # conv output. On the fla path both passes read the normalized q, k and a contiguous v instead, the very
@@ -335,7 +392,7 @@ def gated_delta_rule_cp(
         q, k = _l2norm_autograd(q, backend), _l2norm_autograd(k, backend)
     if backend == "fla":
         v = v.contiguous()
-    run = lambda *args, **kw: gated_delta_rule(*args, scale=scale, backend=backend, **kw)  # noqa: E731
+    run = functools.partial(gated_delta_rule, scale=scale, beta_logits=beta_logits, backend=backend)
     heads, dk, dv = v.size(1), q.size(2), v.size(2)
     state_dtype = torch.promote_types(v.dtype, torch.float32)  # what every rank's chain buffers hold
     final_state = q.new_zeros(heads, dk, dv, dtype=state_dtype)  # placeholders where nobody reads them
@@ -345,8 +402,9 @@ def gated_delta_rule_cp(
         through = metadata.first_doc_starts_before and len(lens) == 1
         tail = slice(metadata.local_len - lens[-1], None)
         summary = prepass_summary(
-            q[tail], k[tail], v[tail], g[tail], beta[tail], with_transition=through, scale=scale, backend=backend,
-            segment_tokens=prepass_segment_tokens, bounds_for=row.for_lens if row is not None else None,
+            q[tail], k[tail], v[tail], g[tail], beta[tail], with_transition=through, scale=scale,
+            beta_logits=beta_logits, backend=backend, segment_tokens=prepass_segment_tokens,
+            bounds_for=row.for_lens if row is not None else None,
         )  # fmt: skip
         final_state = summary[..., :dv].to(state_dtype)
         if through:

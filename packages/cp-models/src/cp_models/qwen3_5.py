@@ -24,6 +24,7 @@ from cp_core import (
     AttentionBackend,
     ContextParallelError,
     CPTopology,
+    GatedDecay,
     PackedRowMetadata,
     RecurrentBackend,
     causal_conv1d_cp,
@@ -188,11 +189,12 @@ class Qwen35GatedDeltaNet(ContextParallelModule):
         query = query.reshape(t, self.num_k_heads, self.head_k_dim)
         key = key.reshape(t, self.num_k_heads, self.head_k_dim)
         value = value.reshape(t, self.num_v_heads, self.head_v_dim)
-        beta = self.in_proj_b(hidden).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias)
+        # The decay and beta's sigmoid go in as their inputs: fla applies them inside its kernel.
+        decay = GatedDecay(self.in_proj_a(hidden), self.A_log, self.dt_bias)
         out = gated_delta_rule_cp(
-            query, key, value, g, beta, meta, self.cp_topology, qk_l2norm=True, backend=self.recurrent_backend
-        )
+            query, key, value, decay, self.in_proj_b(hidden), meta, self.cp_topology, qk_l2norm=True,
+            beta_logits=True, backend=self.recurrent_backend,
+        )  # fmt: skip
         z = self.in_proj_z(hidden).view(t, self.num_v_heads, self.head_v_dim)
         out = self.norm(out.to(hidden.dtype), z).reshape(t, self.value_dim)
         return self.out_proj(out)
