@@ -28,41 +28,48 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a @ b).to(_accumulation_dtype(a))
 
 
-def _label_columns(labels: torch.Tensor, vocab: slice) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's label as a column of the vocabulary tile ``vocab`` (clamped into it) and whether it falls there."""
-    local = labels - vocab.start
-    hit = (local >= 0) & (local < vocab.stop - vocab.start)
-    return local.clamp(0, vocab.stop - vocab.start - 1)[:, None], hit
+def _label_tiles(labels: torch.Tensor, vocab_tiles: list[slice]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each label as a column of every vocabulary tile ([tiles, T], clamped into the tile) and the tile it falls in
+    ([T]): computed once per call, so the tile loops index them instead of launching the comparisons per tile."""
+    size, vocab = vocab_tiles[0].stop, vocab_tiles[-1].stop
+    starts = torch.arange(0, vocab, size, device=labels.device)  # on the device: no host copy, no sync
+    last = (vocab - starts).clamp_(max=size) - 1
+    columns = (labels[None, :] - starts[:, None]).clamp_(min=0)
+    return torch.minimum(columns, last[:, None]), labels // size
 
 
 class _TiledTokenLogProbs(torch.autograd.Function):
     """log p(label | hidden) per token over [token chunk, vocabulary chunk] tiles, forward and backward.
 
-    Forward keeps one fp32 tile at a time and a running log-sum-exp per token, and saves that log-sum-exp ([T]
-    fp32), so backward rebuilds each tile's probabilities as ``exp(logits - lse)`` without a second pass over the
-    vocabulary. With ``g`` the per-token upstream gradient, ``d logits = -g (softmax - onehot)``: ``g`` goes onto
+    Forward keeps one fp32 tile at a time and each tile's row max, sum of exponentials and label logit per token
+    ([tiles, T] fp32, written in place), combined into the log-sum-exp after the loop; it saves that log-sum-exp
+    ([T] fp32), so backward rebuilds each tile's probabilities as ``exp(logits - lse)`` without a second pass over
+    the vocabulary. With ``g`` the per-token upstream gradient, ``d logits = -g (softmax - onehot)``: ``g`` goes onto
     the small [chunk, hidden] sides of the two matmuls, never onto a tile. The gradient of the side the outer loop
     runs over accumulates per chunk in fp32; the other side's fp32 accumulator is full size, so the outer loop runs
     over the vocabulary when the shard has fewer tokens than the vocabulary (accumulator [T, hidden]) and over the
     tokens otherwise ([vocab, hidden]). Tiles are fp32 (on CUDA straight out of the GEMM); the matmuls of backward
     take the weight's dtype, as a plain cross-entropy over bf16 logits would. fp64 inputs run in fp64 throughout
-    (tiles, log-sum-exp, accumulators), forward and backward.
+    (tiles, log-sum-exp, accumulators), forward and backward. Each tile costs a handful of launches (the label
+    bookkeeping is per call), which keeps the host ahead of the GPU at short rows.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, token_chunk, vocab_chunk):
         num_tokens, vocab = hidden.size(0), weight.size(0)
         acc = _accumulation_dtype(hidden)
-        lse = hidden.new_full((num_tokens,), float("-inf"), dtype=acc)
-        target = hidden.new_zeros(num_tokens, dtype=acc)
-        for t, v in ((t, v) for t in _chunks(num_tokens, token_chunk) for v in _chunks(vocab, vocab_chunk)):
-            logits = _mm_f32(hidden[t], weight[v].t())
-            column, hit = _label_columns(labels[t], v)
-            target[t] = torch.where(hit, logits.gather(1, column).squeeze(1), target[t])
-            row_max = logits.amax(-1)
-            tile_lse = logits.sub_(row_max[:, None]).exp_().sum(-1).log_().add_(row_max)
-            lse[t] = torch.logaddexp(lse[t], tile_lse)
-            del logits
+        vocab_tiles = _chunks(vocab, vocab_chunk)
+        columns, label_tile = _label_tiles(labels, vocab_tiles)
+        row_max, exp_sum, label_logit = hidden.new_empty((3, len(vocab_tiles), num_tokens), dtype=acc)
+        for t in _chunks(num_tokens, token_chunk):
+            for j, v in enumerate(vocab_tiles):
+                logits = _mm_f32(hidden[t], weight[v].t())
+                label_logit[j, t] = logits.gather(1, columns[j, t, None]).squeeze(1)
+                torch.amax(logits, -1, out=row_max[j, t])
+                torch.sum(logits.sub_(row_max[j, t, None]).exp_(), -1, out=exp_sum[j, t])
+                del logits
+        lse = exp_sum.log_().add_(row_max).logsumexp(0)
+        target = label_logit.gather(0, label_tile[None]).squeeze(0)
         ctx.tiles = (token_chunk, vocab_chunk)
         ctx.save_for_backward(hidden, weight, labels, lse)
         return target - lse
@@ -77,19 +84,23 @@ class _TiledTokenLogProbs(torch.autograd.Function):
         token_outer = num_tokens > vocab or not need_weight
         acc = _accumulation_dtype(hidden)
         neg_grad = -grad_out.to(acc)[:, None]
+        vocab_tiles = _chunks(vocab, vocab_chunk)
+        columns, label_tile = _label_tiles(labels, vocab_tiles)
+        # -1 at each token's label column in its own tile, 0 in the others: the "- onehot" of softmax - onehot.
+        minus_onehot = -(label_tile[None] == torch.arange(len(vocab_tiles), device=labels.device)[:, None]).to(acc)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.empty_like(weight) if need_weight else None
         full_rows = (vocab if need_weight else 0) if token_outer else (num_tokens if need_hidden else 0)
         full = hidden.new_zeros((full_rows, width), dtype=acc) if full_rows else None
-        outer = _chunks(num_tokens, token_chunk) if token_outer else _chunks(vocab, vocab_chunk)
-        inner = _chunks(vocab, vocab_chunk) if token_outer else _chunks(num_tokens, token_chunk)
-        for o in outer:
+        token_tiles = list(enumerate(_chunks(num_tokens, token_chunk)))
+        vocab_indexed = list(enumerate(vocab_tiles))
+        outer, inner = (token_tiles, vocab_indexed) if token_outer else (vocab_indexed, token_tiles)
+        for o_index, o in outer:
             partial = hidden.new_zeros((o.stop - o.start, width), dtype=acc)
-            for i in inner:
-                t, v = (o, i) if token_outer else (i, o)
+            for i_index, i in inner:
+                (t, v), j = ((o, i), i_index) if token_outer else ((i, o), o_index)
                 probs = _mm_f32(hidden[t], weight[v].t()).sub_(lse[t, None]).exp_()
-                column, hit = _label_columns(labels[t], v)
-                probs.scatter_add_(1, column, -hit.to(probs.dtype)[:, None])  # softmax - onehot
+                probs.scatter_add_(1, columns[j, t, None], minus_onehot[j, t, None])  # softmax - onehot
                 probs = probs.to(weight.dtype)
                 if need_hidden:
                     (partial if token_outer else full[t]).add_(_mm_f32(probs, weight[v]))
