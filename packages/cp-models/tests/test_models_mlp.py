@@ -197,12 +197,16 @@ def test_recomputing_mlp_under_activation_checkpointing(build, bias, early_stop)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_recomputing_swiglu_on_cuda_bf16_keeps_half_and_matches():
-    """The 2B shape's MLP (2048 -> 6144) on 8192 bf16 tokens: the same numbers as the plain expression (cuBLAS
-    may block the flattened weight-gradient matmul its own way) and, measured by the allocator, 2 instead of 4
-    [T, 6144] tensors kept between forward and backward."""
+@pytest.mark.parametrize("backend", ["fla", "torch"])
+def test_recomputing_swiglu_on_cuda_bf16_keeps_half_and_matches(backend):
+    """The 2B shape's MLP (2048 -> 6144) on 8192 bf16 tokens, with fla's fused SwiGLU kernels and with torch's ops:
+    the same numbers as the plain expression within bf16 rounding (fla rounds silu(gate) * up once, torch twice;
+    cuBLAS may block the flattened weight-gradient matmul its own way) and, measured by the allocator, 2 instead of
+    4 [T, 6144] tensors kept between forward and backward."""
+    if backend == "fla":
+        pytest.importorskip("fla")
     hidden, inter, tokens = 2048, 6144, 8192
-    mlp = _init(Qwen35MLP(hidden, inter), torch.bfloat16).cuda()
+    mlp = _init(Qwen35MLP(hidden, inter, backend), torch.bfloat16).cuda()
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(1, tokens, hidden, generator=gen, device="cuda", dtype=torch.bfloat16)
     upstream = torch.randn(1, tokens, hidden, generator=gen, device="cuda", dtype=torch.bfloat16)

@@ -7,6 +7,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from cp_core import RecurrentBackend, resolve_recurrent_backend
+
 
 class _WeightedSlotSum(torch.autograd.Function):
     """``out[t] = sum_j weights[t, j] * slots[t, j]`` in the promoted dtype of the two, returned in ``out_dtype``.
@@ -78,30 +80,49 @@ def _linear_weight_grads(grad_out: torch.Tensor, act: torch.Tensor, ctx, weight_
     return grad_weight, grad_bias
 
 
+def _swiglu(gate: torch.Tensor, up: torch.Tensor, fused: bool) -> torch.Tensor:
+    """``silu(gate) * up``: fla's one-pass kernel (fp32 inside, one rounding) or the torch expression."""
+    if fused:
+        from fla.modules.activations import swiglu_fwd
+
+        return swiglu_fwd(gate, up, output_contiguous=True)
+    return F.silu(gate) * up
+
+
 class _SwiGLULinear(torch.autograd.Function):
     """``F.linear(silu(gate) * up, weight, bias)`` keeping only ``gate`` and ``up`` for backward.
 
     Autograd on the plain expression keeps four [T, intermediate] tensors (gate, silu(gate), up, the product);
-    silu(gate) and the product are recomputed here, one elementwise pass. The backward runs the same ops autograd
-    would (mul, silu_backward, the two matmuls), so the gradients are autograd's; its extra live tensors peak at
-    three [T, intermediate] buffers.
+    silu(gate) and the product are recomputed here. With ``fused`` (CUDA with fla) the product and the two input
+    gradients are one fla kernel each; otherwise the backward runs the ops autograd would (mul, silu_backward, the
+    two matmuls), so the gradients are autograd's. Either way its extra live tensors peak at three
+    [T, intermediate] buffers.
     """
 
     @staticmethod
-    def forward(ctx, gate, up, weight, bias):
+    def forward(ctx, gate, up, weight, bias, fused):
+        ctx.fused = fused
         ctx.save_for_backward(gate, up, weight)
-        return F.linear(F.silu(gate) * up, weight, bias)
+        return F.linear(_swiglu(gate, up, fused), weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
         gate, up, weight = ctx.saved_tensors
+        if ctx.fused:
+            from fla.modules.activations import swiglu_fwdbwd
+
+            act = _swiglu(gate, up, True) if ctx.needs_input_grad[2] else gate.new_empty(0)
+            grad_weight, grad_bias = _linear_weight_grads(grad_out, act, ctx, 2)
+            del act
+            grad_gate, grad_up = swiglu_fwdbwd(gate, up, grad_out.matmul(weight), output_contiguous=True)
+            return grad_gate, grad_up, grad_weight, grad_bias, None
         silu = F.silu(gate)
         grad_weight, grad_bias = _linear_weight_grads(grad_out, silu * up, ctx, 2)
         grad_act = grad_out.matmul(weight)
         grad_up = grad_act * silu if ctx.needs_input_grad[1] else None
         del silu
         grad_gate = torch.ops.aten.silu_backward(grad_act.mul_(up), gate) if ctx.needs_input_grad[0] else None
-        return grad_gate, grad_up, grad_weight, grad_bias
+        return grad_gate, grad_up, grad_weight, grad_bias, None
 
 
 class _SquaredReLULinear(torch.autograd.Function):
@@ -136,12 +157,16 @@ def _recompute_applies(x: torch.Tensor, module: nn.Module) -> bool:
     return x.device.type == "meta" or not torch.is_autocast_enabled(x.device.type)
 
 
-def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, down_proj: nn.Module) -> torch.Tensor:
+def swiglu_linear(
+    gate: torch.Tensor, up: torch.Tensor, down_proj: nn.Module, backend: RecurrentBackend = "auto"
+) -> torch.Tensor:
     """``down_proj(silu(gate) * up)``, recomputing silu(gate) and the product in backward: 2 instead of 4
-    [T, intermediate] tensors kept. Any ``down_proj`` other than a plain ``nn.Linear`` (a LoRA adapter), and
+    [T, intermediate] tensors kept; on CUDA with fla (``backend`` "auto" or "fla") the activation and its
+    gradients are fla's fused kernels. Any ``down_proj`` other than a plain ``nn.Linear`` (a LoRA adapter), and
     autocast, get the plain expression."""
     if _recompute_applies(gate, down_proj):
-        return _SwiGLULinear.apply(gate, up, down_proj.weight, down_proj.bias)
+        fused = resolve_recurrent_backend(backend, gate, "swiglu") == "fla"
+        return _SwiGLULinear.apply(gate, up, down_proj.weight, down_proj.bias, fused)
     return down_proj(F.silu(gate) * up)
 
 

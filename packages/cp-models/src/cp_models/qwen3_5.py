@@ -205,14 +205,15 @@ class Qwen35GatedDeltaNet(ContextParallelModule):
 
 
 class Qwen35MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, backend: RecurrentBackend = "auto"):
         super().__init__()
+        self.backend = backend  # "auto": fla's fused SwiGLU on CUDA when installed
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu_linear(self.gate_proj(x), self.up_proj(x), self.down_proj)
+        return swiglu_linear(self.gate_proj(x), self.up_proj(x), self.down_proj, self.backend)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The plain expression, whose autograd keeps silu(gate) and the product too."""
@@ -268,11 +269,11 @@ class Qwen35Experts(nn.Module):
 
 
 class Qwen35SparseMoeBlock(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, backend: RecurrentBackend = "auto"):
         super().__init__()
         self.gate = Qwen35Router(config)
         self.experts = Qwen35Experts(config)
-        self.shared_expert = Qwen35MLP(config.hidden_size, config.shared_expert_intermediate_size)
+        self.shared_expert = Qwen35MLP(config.hidden_size, config.shared_expert_intermediate_size, backend)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -298,9 +299,9 @@ class Qwen35DecoderLayer(nn.Module):
         else:
             raise ContextParallelError(f"unknown Qwen3.5 layer type {self.layer_type!r} at layer {layer_idx}")
         if getattr(config, "num_experts", 0):
-            self.mlp = Qwen35SparseMoeBlock(config)
+            self.mlp = Qwen35SparseMoeBlock(config, recurrent_backend)
         else:
-            self.mlp = Qwen35MLP(config.hidden_size, config.intermediate_size)
+            self.mlp = Qwen35MLP(config.hidden_size, config.intermediate_size, recurrent_backend)
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps, recurrent_backend)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps, recurrent_backend)
 
