@@ -180,9 +180,9 @@ def gdn_gated_decay_case(
     dt_bias: torch.Tensor,
     b: torch.Tensor,
 ) -> torch.Tensor:
-    """The decay as its inputs and beta as logits (how Qwen3.5 calls it): the pre-pass slices them as well."""
+    """The decay as its inputs (how Qwen3.5 calls it): the pre-pass slices them as well."""
     decay = GatedDecay(a, A_log, dt_bias)
-    return gated_delta_rule_cp(q, k, v, decay, b, metadata, topology, qk_l2norm=True, beta_logits=True, backend="torch")
+    return gated_delta_rule_cp(q, k, v, decay, b.sigmoid(), metadata, topology, qk_l2norm=True, backend="torch")
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -62,9 +62,8 @@ def test_gated_delta_rule_fla_matches_torch(hk, hv):
 
 
 def test_gated_decay_in_fla_kernel_matches_torch():
-    """The decay from its inputs and beta from logits inside fla's kernel (``use_gate_in_kernel``,
-    ``use_beta_sigmoid_in_kernel``; how Qwen3.5 calls it) against the torch path: output, final state and the
-    gradients of every input, A_log and dt_bias included."""
+    """The decay from its inputs inside fla's kernel (``use_gate_in_kernel``; how Qwen3.5 calls it) against the
+    torch path: output, final state and the gradients of every input, A_log and dt_bias included."""
     torch.manual_seed(2)
     t, hk, hv, dk, dv = sum(LENS), 16, 32, 128, 128
     base = {
@@ -83,8 +82,8 @@ def test_gated_decay_in_fla_kernel_matches_torch():
         cast = (lambda x: x) if backend == "fla" else (lambda x: x.float())
         q, k, v, a, a_log, dt_bias, b = (cast(inputs[n]) for n in ("q", "k", "v", "a", "A_log", "dt_bias", "b"))
         return gated_delta_rule(
-            q, k, v, GatedDecay(a, a_log, dt_bias), b, seq_lens=LENS, initial_state=inputs["h0"], qk_l2norm=True,
-            beta_logits=True, backend=backend,
+            q, k, v, GatedDecay(a, a_log, dt_bias), b.sigmoid(), seq_lens=LENS, initial_state=inputs["h0"],
+            qk_l2norm=True, backend=backend,
         )  # fmt: skip
 
     fast_in, ref_in = leaves(bf16), leaves(bf16)

@@ -279,9 +279,9 @@ def test_gated_delta_without_cp_is_the_local_run():
     assert torch.equal(o, o_ref)
 
 
-def test_gated_decay_and_beta_logits_equal_the_explicit_tensors():
-    """g given as its inputs (GatedDecay) and beta as logits: the same output and gradients, through a, A_log,
-    dt_bias and the logits, as the explicit ``-exp(A_log) softplus(a + dt_bias)`` and ``sigmoid(b)`` (fp64)."""
+def test_gated_decay_equals_the_explicit_log_decay():
+    """g given as its inputs (GatedDecay): the same output and gradients, through a, A_log, dt_bias and beta, as
+    the explicit ``-exp(A_log) softplus(a + dt_bias)`` (fp64)."""
     seq_lens = LAYOUTS["mixed"]
     base = gdn_inputs(seq_lens, ratio=2, seed=21)
     t, hv = base["beta"].shape
@@ -296,12 +296,11 @@ def test_gated_decay_and_beta_logits_equal_the_explicit_tensors():
         leaves = {n: x.detach().clone().requires_grad_() for n, x in raw.items()}
         if explicit:
             g = -leaves["A_log"].exp() * F.softplus(leaves["a"] + leaves["dt_bias"])
-            beta, logits = leaves["b"].sigmoid(), False
         else:
-            g, beta, logits = GatedDecay(leaves["a"], leaves["A_log"], leaves["dt_bias"]), leaves["b"], True
+            g = GatedDecay(leaves["a"], leaves["A_log"], leaves["dt_bias"])
         o = gated_delta_rule_cp(
-            base["q"], base["k"], base["v"], g, beta, build_packed_metadata(seq_lens), CPTopology.single(),
-            qk_l2norm=True, beta_logits=logits, backend="torch",
+            base["q"], base["k"], base["v"], g, leaves["b"].sigmoid(), build_packed_metadata(seq_lens),
+            CPTopology.single(), qk_l2norm=True, backend="torch",
         )  # fmt: skip
         o.backward(randn(*o.shape, seed=26))
         return o, {n: x.grad for n, x in leaves.items()}

@@ -47,10 +47,9 @@ def _fake_gpu_kernels(monkeypatch, log: KernelLog) -> None:
         positions = position_ids_from_seq_lens(list(bounds.seq_lens))
         return causal_conv1d_torch(x, weight, bias, activation, positions, halo)
 
-    def gated_delta(q, k, v, g, beta, *, bounds, scale, initial_state, qk_l2norm, beta_logits):
+    def gated_delta(q, k, v, g, beta, *, bounds, scale, initial_state, qk_l2norm):
         log.bounds.append(bounds)
         g = g.log_decay() if isinstance(g, GatedDecay) else g  # what fla computes inside its kernel
-        beta = beta.sigmoid() if beta_logits else beta
         return chunk_gated_delta_rule_torch(
             q, k, v, g, beta, seq_lens=bounds.seq_lens, scale=scale, initial_state=initial_state, qk_l2norm=qk_l2norm
         )

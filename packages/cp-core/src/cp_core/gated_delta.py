@@ -61,9 +61,9 @@ class GatedDecay:
         return -upcast(self.A_log).exp() * F.softplus(a)
 
 
-def _decay_tensors(g: torch.Tensor | GatedDecay, beta: torch.Tensor, beta_logits: bool):
-    """``(g, beta)`` as the torch paths take them: the log decay and beta after its sigmoid."""
-    return (g.log_decay() if isinstance(g, GatedDecay) else g), (beta.sigmoid() if beta_logits else beta)
+def _log_decay(g: torch.Tensor | GatedDecay) -> torch.Tensor:
+    """``g`` as the torch paths take it: the log decay itself."""
+    return g.log_decay() if isinstance(g, GatedDecay) else g
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -194,9 +194,7 @@ def chunk_gated_delta_rule_torch(
     return o.to(out_dtype), torch.stack(finals)
 
 
-def _chunk_gated_delta_rule_fla(
-    q, k, v, g, beta, *, bounds: DocumentBounds, scale, initial_state, qk_l2norm, beta_logits
-):
+def _chunk_gated_delta_rule_fla(q, k, v, g, beta, *, bounds: DocumentBounds, scale, initial_state, qk_l2norm):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     gate = {}
@@ -215,7 +213,6 @@ def _chunk_gated_delta_rule_fla(
         initial_state=initial_state,
         output_final_state=True,
         use_qk_l2norm_in_kernel=qk_l2norm,
-        use_beta_sigmoid_in_kernel=beta_logits,
         **gate,
         **bounds.fla_kwargs(),
     )
@@ -233,22 +230,19 @@ def gated_delta_rule(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     qk_l2norm: bool = False,
-    beta_logits: bool = False,
     backend: RecurrentBackend = "auto",
     bounds: DocumentBounds | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated delta rule over local documents ``seq_lens`` with the chosen backend (no CP). ``bounds``: their kernel
     boundaries on q's device, when the caller holds them (a layer: its row's
-    :class:`~cp_core.document_bounds.RowBounds`). ``g`` may be a :class:`GatedDecay`; ``beta_logits``: ``beta``
-    holds logits, and its sigmoid is taken here (inside fla's kernel on that path)."""
+    :class:`~cp_core.document_bounds.RowBounds`). ``g`` may be a :class:`GatedDecay`."""
     _check(q, k, v, g, beta, seq_lens, initial_state)
     if resolve_recurrent_backend(backend, q, "gated_delta") == "fla":
         bounds = bounds if bounds is not None else build_document_bounds(seq_lens, q.device)
         return _chunk_gated_delta_rule_fla(
-            q, k, v, g, beta, bounds=bounds, scale=scale, initial_state=initial_state, qk_l2norm=qk_l2norm,
-            beta_logits=beta_logits,
-        )  # fmt: skip
-    g, beta = _decay_tensors(g, beta, beta_logits)
+            q, k, v, g, beta, bounds=bounds, scale=scale, initial_state=initial_state, qk_l2norm=qk_l2norm
+        )
+    g = _log_decay(g)
     return chunk_gated_delta_rule_torch(
         q, k, v, g, beta, seq_lens=seq_lens, scale=scale, initial_state=initial_state, qk_l2norm=qk_l2norm
     )
@@ -291,7 +285,6 @@ def prepass_summary(
     with_transition: bool,
     scale: float | None = None,
     qk_l2norm: bool = False,
-    beta_logits: bool = False,
     backend: RecurrentBackend = "auto",
     segment_tokens: int | None = PREPASS_SEGMENT_TOKENS,
     bounds_for: Callable[[Sequence[int]], DocumentBounds] | None = None,
@@ -319,7 +312,7 @@ def prepass_summary(
         lens = (v_s.size(0),)
         _, final = gated_delta_rule(
             q_s, k_s, v_s, g_s, beta_s, seq_lens=lens, scale=scale, initial_state=initial, qk_l2norm=qk_l2norm,
-            beta_logits=beta_logits, backend=backend, bounds=bounds_for(lens) if bounds_for is not None else None,
+            backend=backend, bounds=bounds_for(lens) if bounds_for is not None else None,
         )  # fmt: skip
         return final[0]
 
@@ -352,7 +345,6 @@ def gated_delta_rule_cp(
     *,
     scale: float | None = None,
     qk_l2norm: bool = False,
-    beta_logits: bool = False,
     backend: RecurrentBackend = "auto",
     prepass_segment_tokens: int | None = PREPASS_SEGMENT_TOKENS,
 ) -> torch.Tensor:
@@ -364,7 +356,7 @@ def gated_delta_rule_cp(
     identity state columns when the state passes through this rank, to get the transition ``M``). With gradients
     on, the pre-pass runs in activation-checkpointed segments of ``prepass_segment_tokens`` (a multiple of 64), so
     it costs one more forward of itself but almost no memory; None runs it in one piece and keeps its activations.
-    ``g`` may be a :class:`GatedDecay` and ``beta`` logits (``beta_logits``): fla then applies both in its kernel.
+    ``g`` may be a :class:`GatedDecay`: fla then computes the decay in its kernel.
     """
     _check_segment_tokens(prepass_segment_tokens)  # before any collective
     if q.size(0) != metadata.local_len:
@@ -379,9 +371,8 @@ def gated_delta_rule_cp(
     bounds = row.local if row is not None else None
     if not topology.enabled:
         return gated_delta_rule(
-            q, k, v, g, beta, seq_lens=lens, scale=scale, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
-            backend=backend, bounds=bounds,
-        )[0]  # fmt: skip
+            q, k, v, g, beta, seq_lens=lens, scale=scale, qk_l2norm=qk_l2norm, backend=backend, bounds=bounds
+        )[0]
     # The pre-pass reads q, k and v again after the main pass's kernel has taken its own copies (fla normalizes q
     # and k and copies a non-contiguous v): its checkpoint would keep the originals, in Qwen3.5 views of the whole
     # conv output. On the fla path both passes read the normalized q, k and a contiguous v instead, the very
@@ -392,7 +383,7 @@ def gated_delta_rule_cp(
         q, k = _l2norm_autograd(q, backend), _l2norm_autograd(k, backend)
     if backend == "fla":
         v = v.contiguous()
-    run = functools.partial(gated_delta_rule, scale=scale, beta_logits=beta_logits, backend=backend)
+    run = functools.partial(gated_delta_rule, scale=scale, backend=backend)
     heads, dk, dv = v.size(1), q.size(2), v.size(2)
     state_dtype = torch.promote_types(v.dtype, torch.float32)  # what every rank's chain buffers hold
     final_state = q.new_zeros(heads, dk, dv, dtype=state_dtype)  # placeholders where nobody reads them
@@ -403,7 +394,7 @@ def gated_delta_rule_cp(
         tail = slice(metadata.local_len - lens[-1], None)
         summary = prepass_summary(
             q[tail], k[tail], v[tail], g[tail], beta[tail], with_transition=through, scale=scale,
-            beta_logits=beta_logits, backend=backend, segment_tokens=prepass_segment_tokens,
+            backend=backend, segment_tokens=prepass_segment_tokens,
             bounds_for=row.for_lens if row is not None else None,
         )  # fmt: skip
         final_state = summary[..., :dv].to(state_dtype)

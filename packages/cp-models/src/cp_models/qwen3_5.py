@@ -189,12 +189,12 @@ class Qwen35GatedDeltaNet(ContextParallelModule):
         query = query.reshape(t, self.num_k_heads, self.head_k_dim)
         key = key.reshape(t, self.num_k_heads, self.head_k_dim)
         value = value.reshape(t, self.num_v_heads, self.head_v_dim)
-        # The decay and beta's sigmoid go in as their inputs: fla applies them inside its kernel.
+        # The decay goes in as its inputs: fla computes it inside its chunk kernel.
         decay = GatedDecay(self.in_proj_a(hidden), self.A_log, self.dt_bias)
+        beta = self.in_proj_b(hidden).sigmoid()
         out = gated_delta_rule_cp(
-            query, key, value, decay, self.in_proj_b(hidden), meta, self.cp_topology, qk_l2norm=True,
-            beta_logits=True, backend=self.recurrent_backend,
-        )  # fmt: skip
+            query, key, value, decay, beta, meta, self.cp_topology, qk_l2norm=True, backend=self.recurrent_backend
+        )
         z = self.in_proj_z(hidden).view(t, self.num_v_heads, self.head_v_dim)
         out = self.norm(out.to(hidden.dtype), z).reshape(t, self.value_dim)
         return self.out_proj(out)
