@@ -229,3 +229,48 @@ def test_recomputing_swiglu_on_cuda_bf16_keeps_half_and_matches(backend):
     unit = tokens * inter * 2
     assert abs(kept(mlp) - 2 * unit) <= unit // 100
     assert abs(kept(mlp.reference) - 4 * unit) <= unit // 100
+
+
+def _fake_fla_swiglu(monkeypatch) -> list[str]:
+    """fla's two SwiGLU kernels as torch code with their contract (``swiglu_fwd(x, y)`` = silu(x) * y,
+    ``swiglu_fwdbwd(x, y, g)`` = (d/dx, d/dy) of it against g), so the fused path's wiring runs on the CPU."""
+    import sys
+    import types
+
+    calls: list[str] = []
+
+    def swiglu_fwd(x, y, output_contiguous=False):
+        calls.append("fwd")
+        return torch.nn.functional.silu(x) * y
+
+    def swiglu_fwdbwd(x, y, g, use_weight=False, output_contiguous=False):
+        calls.append("fwdbwd")
+        s = torch.sigmoid(x)
+        return g * s * (1 + x * (1 - s)) * y, g * x * s
+
+    activations = types.ModuleType("fla.modules.activations")
+    activations.swiglu_fwd, activations.swiglu_fwdbwd = swiglu_fwd, swiglu_fwdbwd
+    for name, module in (("fla", types.ModuleType("fla")), ("fla.modules", types.ModuleType("fla.modules"))):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setitem(sys.modules, "fla.modules.activations", activations)
+    monkeypatch.setattr("cp_models.feed_forward.resolve_recurrent_backend", lambda backend, x, op: "fla")
+    return calls
+
+
+@pytest.mark.parametrize("frozen_down", [False, True])
+def test_fused_swiglu_path_gives_the_plain_expressions_gradients(monkeypatch, frozen_down):
+    """The path that runs fla's SwiGLU kernels on CUDA, with those kernels replaced by their torch contract (fp64):
+    the output and every gradient of the plain expression, with and without down_proj's gradient; forward takes
+    one kernel and backward two (the recomputed product only when down_proj needs its gradient)."""
+    calls = _fake_fla_swiglu(monkeypatch)
+    mlp = _init(Qwen35MLP(24, 40), torch.float64)
+    mlp.down_proj.requires_grad_(not frozen_down)
+    x = torch.randn(9, 24, dtype=torch.float64)
+    upstream = torch.randn(9, 24, dtype=torch.float64)
+    out, grads = _grads(mlp, mlp, x, upstream)
+    assert calls == (["fwd", "fwdbwd"] if frozen_down else ["fwd", "fwd", "fwdbwd"])
+    ref_out, ref_grads = _grads(mlp, mlp.reference, x, upstream)
+    assert relative_l2(out, ref_out) < 1e-15
+    assert len(grads) == len(ref_grads) == 1 + len([p for p in mlp.parameters() if p.requires_grad])
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert relative_l2(got, want) < 1e-14
