@@ -2,6 +2,7 @@
 saved activations (pure torch: no fla needed).
 
     python benchmarks/loss_moe_memory.py --out DIR          # CUDA
+    python benchmarks/loss_moe_memory.py --tokens 8192 --tile-kernels torch triton --out DIR   # the loss's tile passes
     uv run python benchmarks/loss_moe_memory.py --device cpu --tokens 512 --out /tmp/x   # CPU smoke run (no peaks)
 
 loss: ``cp_models.loss.token_log_probs`` forward + backward on [T, hidden] bf16 states and the bf16 LM head of a
@@ -38,7 +39,13 @@ def _allocated(device: str) -> int:
     return torch.cuda.memory_allocated() if device.startswith("cuda") else 0
 
 
-def loss_row(shape: str, tokens: int, device: str, tile: tuple[int | None, int | None] = (None, None)) -> dict:
+def loss_row(
+    shape: str,
+    tokens: int,
+    device: str,
+    tile: tuple[int | None, int | None] = (None, None),
+    tile_kernels: str = "torch",
+) -> dict:
     from cp_models.loss import loss_tile_shape, token_log_probs
     from sft_trainer.plan import loss_workspace_bytes
 
@@ -56,12 +63,13 @@ def loss_row(shape: str, tokens: int, device: str, tile: tuple[int | None, int |
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        (-token_log_probs(hidden, weight, labels, *tile).mean()).backward()
+        (-token_log_probs(hidden, weight, labels, *tile, tile_kernels=tile_kernels).mean()).backward()
         _sync(device)
         times.append((time.perf_counter() - start) * 1000)
     peak = torch.cuda.max_memory_allocated() - base if device.startswith("cuda") else None
     planned = loss_workspace_bytes(config.vocab_size, config.hidden_size, tokens, 2, tile)
-    return dict(part=f"loss (tile {tile[0]} x {tile[1]})", shape=shape, tokens=tokens, ms=min(times[1:]),
+    kernels = "" if tile_kernels == "torch" else f", {tile_kernels} tile kernels"
+    return dict(part=f"loss (tile {tile[0]} x {tile[1]}{kernels})", shape=shape, tokens=tokens, ms=min(times[1:]),
                 measured_gib=peak and peak / GIB, planned_gib=planned / GIB, tile=list(tile))  # fmt: skip
 
 
@@ -98,13 +106,15 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--loss-tile", type=int, nargs=2, default=(None, None), metavar=("TOKENS", "VOCAB"),
                         help="the loss's tile (default: what the models run, cp_models.loss.LOSS_TILE)")  # fmt: skip
+    parser.add_argument("--tile-kernels", nargs="+", choices=("torch", "triton"), default=["torch"],
+                        help="the loss's per-tile passes (cp_models.loss_tiles): a loss row per choice")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     args = parser.parse_args()
     rows = []
-    jobs = [(loss_row, s) for s in ("qwen3_5-0.8b", "qwen3_5-2b", "nemotron_h-nano-8l")]
-    jobs += [(moe_row, s) for s in ("qwen3_5-35b-a3b-8l", "nemotron_h-nano-8l")]
-    for fn, shape in jobs:
-        extra = (tuple(args.loss_tile),) if fn is loss_row else ()
+    jobs = [(loss_row, s, k) for s in ("qwen3_5-0.8b", "qwen3_5-2b", "nemotron_h-nano-8l") for k in args.tile_kernels]
+    jobs += [(moe_row, s, None) for s in ("qwen3_5-35b-a3b-8l", "nemotron_h-nano-8l")]
+    for fn, shape, kernels in jobs:
+        extra = (tuple(args.loss_tile), kernels) if fn is loss_row else ()
         rows.append(fn(shape, args.tokens, args.device, *extra))
         print(json.dumps(rows[-1]), flush=True)
         if args.device.startswith("cuda"):

@@ -9,6 +9,14 @@ import torch
 import torch.nn as nn
 
 from cp_core import ContextParallelError
+from cp_models.loss_tiles import (
+    TileKernels,
+    check_tile_kernels,
+    tile_grad_torch,
+    tile_grad_triton,
+    tile_stats_torch,
+    tile_stats_triton,
+)
 from cp_models.row_inputs import check_token_values, one_row
 
 
@@ -55,22 +63,21 @@ class _TiledTokenLogProbs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, token_chunk, vocab_chunk):
+    def forward(ctx, hidden, weight, labels, token_chunk, vocab_chunk, kernels):
         num_tokens, vocab = hidden.size(0), weight.size(0)
         acc = _accumulation_dtype(hidden)
         vocab_tiles = _chunks(vocab, vocab_chunk)
         columns, label_tile = _label_tiles(labels, vocab_tiles)
         row_max, exp_sum, label_logit = hidden.new_empty((3, len(vocab_tiles), num_tokens), dtype=acc)
+        tile_stats = tile_stats_triton if kernels == "triton" else tile_stats_torch
         for t in _chunks(num_tokens, token_chunk):
             for j, v in enumerate(vocab_tiles):
                 logits = _mm_f32(hidden[t], weight[v].t())
-                label_logit[j, t] = logits.gather(1, columns[j, t, None]).squeeze(1)
-                torch.amax(logits, -1, out=row_max[j, t])
-                torch.sum(logits.sub_(row_max[j, t, None]).exp_(), -1, out=exp_sum[j, t])
+                tile_stats(logits, columns[j, t], row_max[j, t], exp_sum[j, t], label_logit[j, t])
                 del logits
         lse = exp_sum.log_().add_(row_max).logsumexp(0)
         target = label_logit.gather(0, label_tile[None]).squeeze(0)
-        ctx.tiles = (token_chunk, vocab_chunk)
+        ctx.tiles, ctx.kernels = (token_chunk, vocab_chunk), kernels
         ctx.save_for_backward(hidden, weight, labels, lse)
         return target - lse
 
@@ -92,6 +99,7 @@ class _TiledTokenLogProbs(torch.autograd.Function):
         grad_weight = torch.empty_like(weight) if need_weight else None
         full_rows = (vocab if need_weight else 0) if token_outer else (num_tokens if need_hidden else 0)
         full = hidden.new_zeros((full_rows, width), dtype=acc) if full_rows else None
+        tile_grad = tile_grad_triton if ctx.kernels == "triton" else tile_grad_torch  # softmax - onehot
         token_tiles = list(enumerate(_chunks(num_tokens, token_chunk)))
         vocab_indexed = list(enumerate(vocab_tiles))
         outer, inner = (token_tiles, vocab_indexed) if token_outer else (vocab_indexed, token_tiles)
@@ -99,9 +107,9 @@ class _TiledTokenLogProbs(torch.autograd.Function):
             partial = hidden.new_zeros((o.stop - o.start, width), dtype=acc)
             for i_index, i in inner:
                 (t, v), j = ((o, i), i_index) if token_outer else ((i, o), o_index)
-                probs = _mm_f32(hidden[t], weight[v].t()).sub_(lse[t, None]).exp_()
-                probs.scatter_add_(1, columns[j, t, None], minus_onehot[j, t, None])  # softmax - onehot
-                probs = probs.to(weight.dtype)
+                probs = tile_grad(
+                    _mm_f32(hidden[t], weight[v].t()), lse[t], columns[j, t], minus_onehot[j, t], weight.dtype
+                )
                 if need_hidden:
                     (partial if token_outer else full[t]).add_(_mm_f32(probs, weight[v]))
                 if need_weight:
@@ -116,7 +124,7 @@ class _TiledTokenLogProbs(torch.autograd.Function):
             grad_weight.copy_(full)
         elif not token_outer and need_hidden:
             grad_hidden.copy_(full.mul_(neg_grad))
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def _chunks(total: int, size: int) -> list[slice]:
@@ -145,6 +153,7 @@ def token_log_probs(
     vocab_chunk_size: int | None = None,
     *,
     check_labels: bool = True,
+    tile_kernels: TileKernels = "torch",
 ) -> torch.Tensor:
     """Per-token ``log softmax(hidden @ weight.T)[label]`` in fp32 (fp64 for fp64 inputs) ([T]); never builds
     [T, vocab] logits.
@@ -153,6 +162,8 @@ def token_log_probs(
     computed in tiles of ``chunk_size`` tokens x ``vocab_chunk_size`` vocabulary entries (default
     :data:`LOSS_TILE`), so the workspace is one tile plus an fp32 gradient accumulator of ``min(T, vocab)`` rows.
     ``check_labels=False`` skips reading the largest label (a host sync) where the caller has checked them.
+    ``tile_kernels="triton"`` runs each tile's two elementwise passes as one Triton kernel each
+    (:mod:`cp_models.loss_tiles`; CUDA, fp32 tiles) instead of torch's ops.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or labels.shape != hidden.shape[:1]:
         raise ContextParallelError(
@@ -164,11 +175,12 @@ def token_log_probs(
     for name, size in (("chunk_size", chunk_size), ("vocab_chunk_size", vocab_chunk_size)):
         if size is not None and (not isinstance(size, int) or size < 1):
             raise ContextParallelError(f"{name} must be a positive number of rows, got {size!r}")
+    check_tile_kernels(tile_kernels, hidden)
     if check_labels:
         check_token_values(None, labels, weight.size(0))
     tile = loss_tile_shape(hidden.size(0), weight.size(0), chunk_size, vocab_chunk_size)
     valid = labels >= 0
-    return _TiledTokenLogProbs.apply(hidden, weight, labels.clamp_min(0), *tile) * valid
+    return _TiledTokenLogProbs.apply(hidden, weight, labels.clamp_min(0), *tile, tile_kernels) * valid
 
 
 @dataclass
