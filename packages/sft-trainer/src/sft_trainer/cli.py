@@ -52,15 +52,18 @@ INSPECT_USAGE = (
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``sft-train``. Under torchrun a problem found before training is said by rank 0 alone (every rank finds
-    it; under sft-torchrun its launcher says it); the others exit with the same code."""
+    it; under sft-torchrun its launcher says it); the others wait until it is said, then exit with the same code
+    (torchrun stops every worker once one ends)."""
     try:
         start(argv)
     except SystemExit as exc:
         if "RANK" in os.environ and isinstance(exc.code, str):
-            if os.environ["RANK"] == "0":
-                from sft_trainer.job_failure import say_once
+            from sft_trainer.job_failure import say_once, wait_until_said
 
+            if os.environ["RANK"] == "0":
                 say_once(exc.code)
+            else:
+                wait_until_said()
             raise SystemExit(1) from None
         raise
 

@@ -76,9 +76,10 @@ def _mark_said(store=None) -> None:
             store.set(f"{key_prefix()}said", "1")
 
 
-def _wait_until_said(store=None) -> None:
-    """A rank that lost the claim stays until the winner has said its line (at most ``SAID_WAIT_S``): leaving at
-    once would end the job, and torchrun would stop the winner before it speaks."""
+def wait_until_said(store=None) -> None:
+    """A rank that lost the claim (or leaves the speaking to another) stays until the job's first failure has been
+    said (at most ``SAID_WAIT_S``): leaving at once would end the job, and torchrun would stop the speaker before it
+    speaks."""
     store = store if store is not None else job_store()
     if store is None:
         return
@@ -96,7 +97,7 @@ def say_once(line: str, store=None) -> bool:
     """Print ``line`` (under sft-torchrun: hand it to the launcher) when it is the job's first failure; otherwise
     wait until the rank that claimed it has said its own."""
     if not claim(line, store):
-        _wait_until_said(store)
+        wait_until_said(store)
         return False
     if not _hand_to_launcher(line):
         print(line, file=sys.stderr, flush=True)
@@ -110,7 +111,7 @@ def report_exception(exc: BaseException) -> None:
     first_line = (str(exc).strip().splitlines() or [""])[0][:300]
     line = f"sft-train: rank {os.environ.get('RANK', '?')} failed: {type(exc).__name__}: {first_line}"
     if not claim(line):
-        _wait_until_said()
+        wait_until_said()
         return
     traceback.print_exception(exc)
     sys.stderr.flush()
