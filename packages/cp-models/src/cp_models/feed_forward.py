@@ -72,8 +72,9 @@ def combine_expert_outputs(
     return _WeightedSlotSum.apply(slots, weights, out_dtype)
 
 
-def _linear_weight_grads(grad_out: torch.Tensor, act: torch.Tensor, ctx, weight_index: int):
-    """``down_proj``'s weight and bias gradients from its output gradient and (recomputed) input ``act``."""
+def _linear_weight_grads(grad_out: torch.Tensor, act: torch.Tensor | None, ctx, weight_index: int):
+    """``down_proj``'s weight and bias gradients from its output gradient and (recomputed) input ``act`` (None
+    where the weight needs no gradient)."""
     flat_grad = grad_out.reshape(-1, grad_out.size(-1))
     grad_weight = flat_grad.t().mm(act.reshape(-1, act.size(-1))) if ctx.needs_input_grad[weight_index] else None
     grad_bias = flat_grad.sum(0) if ctx.needs_input_grad[weight_index + 1] else None
@@ -111,7 +112,7 @@ class _SwiGLULinear(torch.autograd.Function):
         if ctx.fused:
             from fla.modules.activations import swiglu_fwdbwd
 
-            act = _swiglu(gate, up, True) if ctx.needs_input_grad[2] else gate.new_empty(0)
+            act = _swiglu(gate, up, True) if ctx.needs_input_grad[2] else None
             grad_weight, grad_bias = _linear_weight_grads(grad_out, act, ctx, 2)
             del act
             grad_gate, grad_up = swiglu_fwdbwd(gate, up, grad_out.matmul(weight), output_contiguous=True)
