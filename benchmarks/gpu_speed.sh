@@ -7,6 +7,8 @@
 #   3. warm: the Triton cache of run 2 (compiled kernels) present
 #   bash benchmarks/gpu_speed.sh            # results under $OUT: autotune/ tuned/ warm/ fla_tuning/
 #   SYNCS=1 bash benchmarks/gpu_speed.sh    # then where the step makes the host wait (benchmarks/host_syncs.py)
+#   SHIPPED=1 bash benchmarks/gpu_speed.sh  # runs 2 and 3 only, fla reading the configs cp_core ships (a user's cold
+#                                           # and warm start), results under $OUT: shipped/ warm/
 # $OUT/fla_tuning/<GPU name>/fla-<version>/ is what packages/cp-core/src/cp_core/fla_tuning/ ships for that GPU.
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$(ls -d "$PWD"/packages/*/src | paste -sd:)
@@ -29,6 +31,11 @@ first_step() {  # first_step NAME TRITON_CACHE [VAR=VALUE ...] -- [model_step ar
   python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['rows'][0]; print('$name first step s:', r.get('first_step_s'), 'ms:', r.get('ms'))" "$OUT/$name/model_step.json"
 }
 rm -rf /tmp/triton_autotune /tmp/triton_tuned "$OUT/fla_tuning"
+if [ "${SHIPPED:-0}" = 1 ]; then
+  first_step shipped /tmp/triton_tuned --
+  first_step warm /tmp/triton_tuned --
+  exit 0
+fi
 first_step autotune /tmp/triton_autotune FLA_CACHE_MODE=disabled -- --write-fla-tuning "$OUT/fla_tuning"
 first_step tuned /tmp/triton_tuned CP_FLA_TUNING_DIR="$OUT/fla_tuning" --
 first_step warm /tmp/triton_tuned CP_FLA_TUNING_DIR="$OUT/fla_tuning" --

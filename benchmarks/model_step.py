@@ -55,6 +55,7 @@ TINY_WIDTHS = dict(  # --tiny: the same layer patterns at toy widths, for CPU ru
 )  # fmt: skip
 VARIANTS = {
     "cp_models": "eager",
+    "cp_models + torch loss tiles": "eager, the loss tiles' passes as torch ops instead of Triton kernels",
     "cp_models + act. ckpt": "activation checkpointing of every block",
     "cp_models + act. ckpt + compile": "checkpointing and torch.compile of norms and MLP/MoE",
     "cp_models + mamba-ssm": "eager, Mamba-2 conv and SSD on causal-conv1d and mamba-ssm (recurrent_backend mamba_ssm)",
@@ -167,6 +168,8 @@ def build(variant: str, config, device: str):
     kwargs = {"recurrent_backend": "mamba_ssm"} if "mamba-ssm" in variant else {}
     with torch.device(device):
         model = (NemotronHForCausalLM if nemotron else Qwen35ForCausalLM)(config, **kwargs).to(dtype)
+    if "torch loss tiles" in variant:
+        model.loss_tile_kernels = "torch"
     if "ckpt" in variant:
         apply_activation_checkpointing(model)
     if "compile" in variant:

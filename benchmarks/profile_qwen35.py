@@ -27,7 +27,7 @@ FAMILIES = [  # first match wins
     ("conv (fla)", r"conv"),
     ("attention", r"flash|attn|fmha|sdpa"),
     ("matmul", r"gemm|cutlass|sm90|nvjet|cublas|matmul|xmma"),
-    ("loss / softmax", r"log_softmax|logsumexp|softmax|cross_entropy|nll"),
+    ("loss / softmax", r"log_softmax|logsumexp|softmax|cross_entropy|nll|tile_stats|tile_grad"),
     ("copy / cast", r"copy|cast|to_copy|cat|fill"),
     ("reduce", r"reduce"),
     ("elementwise", r"elementwise|vectorized|unrolled|triton_"),

@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from cp_core import ContextParallelError
-from cp_models import token_log_probs
+from cp_models import Qwen35ForCausalLM, token_log_probs
+from cp_models.loss_tiles import resolve_tile_kernels
+from cp_models.presets import tiny_qwen35_config
 
 INTERPRETED = r"""
 import json
@@ -84,3 +86,29 @@ def test_tile_kernels_choice_is_checked():
     if os.environ.get("TRITON_INTERPRET") != "1":
         with pytest.raises(ContextParallelError, match="needs CUDA tensors"):
             token_log_probs(hidden, weight, labels, tile_kernels="triton")
+
+
+def test_auto_takes_torch_where_triton_cannot_run():
+    """'auto' picks the Triton kernels only for CUDA tensors of a tile dtype: on CPU (even under the interpreter)
+    and for fp64 it runs torch's ops, so the results are the torch path's exactly."""
+    cpu = torch.randn(3, 4)
+    assert resolve_tile_kernels("auto", cpu) == "torch"
+    assert resolve_tile_kernels("auto", cpu.double()) == "torch"
+    assert resolve_tile_kernels("torch", cpu) == "torch"
+    gen = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(9, 8, generator=gen), torch.randn(20, 8, generator=gen)
+    labels = torch.randint(0, 20, (9,), generator=gen)
+    auto = token_log_probs(hidden, weight, labels, 4, 8)
+    assert torch.equal(auto, token_log_probs(hidden, weight, labels, 4, 8, tile_kernels="torch"))
+
+
+def test_models_run_their_loss_on_their_tile_kernels():
+    """A model's ``loss_tile_kernels`` reaches the loss: an impossible choice raises there, the default runs."""
+    model = Qwen35ForCausalLM(tiny_qwen35_config(64, hidden_size=32, linear_key_head_dim=8, linear_value_head_dim=8))
+    ids = torch.randint(0, 64, (12,))
+    assert model.loss_tile_kernels == "auto"
+    assert model(ids, [12], labels=ids).token_log_probs.shape == (12,)
+    model.loss_tile_kernels = "triton"
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(ContextParallelError, match="tile_kernels='triton' needs CUDA tensors"):
+            model(ids, [12], labels=ids)

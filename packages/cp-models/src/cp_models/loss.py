@@ -11,7 +11,7 @@ import torch.nn as nn
 from cp_core import ContextParallelError
 from cp_models.loss_tiles import (
     TileKernels,
-    check_tile_kernels,
+    resolve_tile_kernels,
     tile_grad_torch,
     tile_grad_triton,
     tile_stats_torch,
@@ -153,7 +153,7 @@ def token_log_probs(
     vocab_chunk_size: int | None = None,
     *,
     check_labels: bool = True,
-    tile_kernels: TileKernels = "torch",
+    tile_kernels: TileKernels = "auto",
 ) -> torch.Tensor:
     """Per-token ``log softmax(hidden @ weight.T)[label]`` in fp32 (fp64 for fp64 inputs) ([T]); never builds
     [T, vocab] logits.
@@ -163,7 +163,7 @@ def token_log_probs(
     :data:`LOSS_TILE`), so the workspace is one tile plus an fp32 gradient accumulator of ``min(T, vocab)`` rows.
     ``check_labels=False`` skips reading the largest label (a host sync) where the caller has checked them.
     ``tile_kernels="triton"`` runs each tile's two elementwise passes as one Triton kernel each
-    (:mod:`cp_models.loss_tiles`; CUDA, fp32 tiles) instead of torch's ops.
+    (:mod:`cp_models.loss_tiles`; CUDA, fp32 tiles) instead of torch's ops; ``"auto"`` does where it can run.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or labels.shape != hidden.shape[:1]:
         raise ContextParallelError(
@@ -175,12 +175,12 @@ def token_log_probs(
     for name, size in (("chunk_size", chunk_size), ("vocab_chunk_size", vocab_chunk_size)):
         if size is not None and (not isinstance(size, int) or size < 1):
             raise ContextParallelError(f"{name} must be a positive number of rows, got {size!r}")
-    check_tile_kernels(tile_kernels, hidden)
+    kernels = resolve_tile_kernels(tile_kernels, hidden)
     if check_labels:
         check_token_values(None, labels, weight.size(0))
     tile = loss_tile_shape(hidden.size(0), weight.size(0), chunk_size, vocab_chunk_size)
     valid = labels >= 0
-    return _TiledTokenLogProbs.apply(hidden, weight, labels.clamp_min(0), *tile, tile_kernels) * valid
+    return _TiledTokenLogProbs.apply(hidden, weight, labels.clamp_min(0), *tile, kernels) * valid
 
 
 @dataclass
@@ -199,14 +199,17 @@ def causal_lm_output(
     labels: torch.Tensor | None,
     return_logits: bool | None,
     loss_chunk_size: int | None,
+    tile_kernels: TileKernels = "auto",
 ) -> CausalLMOutput:
     """The output of a causal LM's forward: per-token log-probs when ``labels`` are given (tiles of
-    :data:`LOSS_TILE` logits; ``loss_chunk_size`` tokens per tile if given), logits when asked for (by default only
-    without labels)."""
+    :data:`LOSS_TILE` logits; ``loss_chunk_size`` tokens per tile if given; the tiles' passes on ``tile_kernels``),
+    logits when asked for (by default only without labels)."""
     out = CausalLMOutput(hidden_states=hidden)
     if labels is not None:
         labels = one_row("labels", labels, 1)  # checked against the vocabulary by the models before any collective
-        out.token_log_probs = token_log_probs(hidden, lm_head.weight, labels, loss_chunk_size, check_labels=False)
+        out.token_log_probs = token_log_probs(
+            hidden, lm_head.weight, labels, loss_chunk_size, check_labels=False, tile_kernels=tile_kernels
+        )
     if return_logits or (return_logits is None and labels is None):
         out.logits = lm_head(hidden)
     return out

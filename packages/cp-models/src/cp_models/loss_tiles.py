@@ -11,15 +11,17 @@ reads the fp32 tile once and writes the cast result. Same arithmetic up to the o
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from functools import cache
 from typing import Literal
 
 import torch
 
 from cp_core import ContextParallelError
 
-TileKernels = Literal["torch", "triton"]
-TILE_KERNELS: tuple[str, ...] = ("torch", "triton")
+TileKernels = Literal["auto", "torch", "triton"]
+TILE_KERNELS: tuple[str, ...] = ("auto", "torch", "triton")
 TRITON_BLOCK = 1024  # tile columns a kernel program reads at a time
 
 
@@ -79,19 +81,35 @@ def tile_grad_triton(
     return out
 
 
-def check_tile_kernels(kernels: str, hidden: torch.Tensor) -> None:
-    """Raise one clear error unless ``kernels`` can run on tiles made from ``hidden``."""
+@cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def resolve_tile_kernels(kernels: str, hidden: torch.Tensor) -> str:
+    """``"torch"`` or ``"triton"`` for tiles made from ``hidden``: ``"auto"`` takes the Triton kernels for CUDA
+    bf16/fp16/fp32 tensors when Triton is installed, else torch's ops; a forced ``"triton"`` that cannot run raises
+    one clear error."""
     if kernels not in TILE_KERNELS:
         raise ContextParallelError(f"tile_kernels={kernels!r} is not one of {TILE_KERNELS}")
-    if kernels != "triton":
-        return
-    if hidden.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if kernels == "auto":
+        usable = hidden.is_cuda and hidden.dtype in _TRITON_DTYPES and triton_available()
+        return "triton" if usable else "torch"
+    if kernels == "torch":
+        return "torch"
+    if hidden.dtype not in _TRITON_DTYPES:
         raise ContextParallelError(
             f"tile_kernels='triton' runs fp32 tiles (bf16, fp16 or fp32 models); hidden is {hidden.dtype}: "
-            "use tile_kernels='torch'"
+            "use tile_kernels='torch' or 'auto'"
         )
     if not hidden.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ContextParallelError(
             f"tile_kernels='triton' needs CUDA tensors (or Triton's interpreter, TRITON_INTERPRET=1); hidden is on "
-            f"{hidden.device}: use tile_kernels='torch'"
+            f"{hidden.device}: use tile_kernels='torch' or 'auto'"
         )
+    if not triton_available():
+        raise ContextParallelError("tile_kernels='triton' needs Triton installed: use tile_kernels='torch' or 'auto'")
+    return "triton"

@@ -36,6 +36,7 @@ from cp_models.context_parallel import ContextParallelAttention
 from cp_models.feed_forward import combine_expert_outputs, expert_slot_groups, sort_by_expert, squared_relu_linear
 from cp_models.hf_checkpoint import load_hf_checkpoint, strip_prefixes, unwrapped_names, write_safetensors
 from cp_models.loss import CausalLMOutput, causal_lm_output
+from cp_models.loss_tiles import TileKernels
 from cp_models.nemotron_h_mamba import MambaCPStyle, NemotronHMamba2Mixer
 from cp_models.row_inputs import build_row_metadata, embed_row, validated_row_inputs
 
@@ -283,6 +284,7 @@ class NemotronHForCausalLM(nn.Module):
     """
 
     cp_topology: CPTopology = CPTopology.single()  # set once by set_context_parallel_attributes
+    loss_tile_kernels: TileKernels = "auto"  # the loss tiles' passes: Triton kernels on CUDA, else torch
 
     def __init__(
         self,
@@ -348,7 +350,7 @@ class NemotronHForCausalLM(nn.Module):
         # First: every rank got the same row and no rank's inputs failed, so nothing below raises on one rank alone.
         meta = build_row_metadata(seq_lens, tokens, self.cp_topology, device, inputs=inputs, problem=problem)
         hidden = self.model(embed_row(self.model.embeddings, input_ids, inputs_embeds), meta)
-        return causal_lm_output(hidden, self.lm_head, labels, return_logits, loss_chunk_size)
+        return causal_lm_output(hidden, self.lm_head, labels, return_logits, loss_chunk_size, self.loss_tile_kernels)
 
     def decoder_layers(self) -> nn.ModuleList:
         """The decoder blocks (what activation checkpointing, compile and FSDP wrap one by one)."""

@@ -34,6 +34,7 @@ from cp_models.context_parallel import ContextParallelAttention, ContextParallel
 from cp_models.feed_forward import combine_expert_outputs, expert_slot_groups, sort_by_expert, swiglu_linear
 from cp_models.hf_checkpoint import load_hf_checkpoint, strip_prefixes, unwrapped_names, write_safetensors
 from cp_models.loss import CausalLMOutput, causal_lm_output
+from cp_models.loss_tiles import TileKernels
 from cp_models.norms import GatedRMSNorm, ZeroCenteredRMSNorm
 from cp_models.row_inputs import build_row_metadata, embed_row, row_position_ids, validated_row_inputs
 
@@ -359,6 +360,7 @@ class Qwen35ForCausalLM(nn.Module):
     """
 
     cp_topology: CPTopology = CPTopology.single()  # set once by set_context_parallel_attributes
+    loss_tile_kernels: TileKernels = "auto"  # the loss tiles' passes: Triton kernels on CUDA, else torch
 
     def __init__(
         self, config, attention_backend: AttentionBackend = "auto", recurrent_backend: RecurrentBackend = "auto"
@@ -393,7 +395,7 @@ class Qwen35ForCausalLM(nn.Module):
         meta = build_row_metadata(seq_lens, tokens, self.cp_topology, device, inputs=inputs, problem=problem)
         embeds = embed_row(self.model.embed_tokens, input_ids, inputs_embeds)
         hidden = self.model(embeds, row_position_ids(position_ids, meta).to(embeds.device), meta)
-        return causal_lm_output(hidden, self.lm_head, labels, return_logits, loss_chunk_size)
+        return causal_lm_output(hidden, self.lm_head, labels, return_logits, loss_chunk_size, self.loss_tile_kernels)
 
     def decoder_layers(self) -> nn.ModuleList:
         """The decoder blocks (what activation checkpointing, compile and FSDP wrap one by one)."""

@@ -46,6 +46,7 @@ from cp_core import (
 )
 from cp_models.hf_checkpoint import load_hf_checkpoint, strip_prefixes, unwrapped_names, write_safetensors
 from cp_models.loss import CausalLMOutput, causal_lm_output
+from cp_models.loss_tiles import TileKernels
 from cp_models.qwen3_5 import (
     VL_MODEL_TYPES,
     Qwen35Rotary,
@@ -119,6 +120,7 @@ class Qwen35VLForConditionalGeneration(nn.Module):
     """
 
     cp_topology: CPTopology = CPTopology.single()  # set once by set_context_parallel_attributes
+    loss_tile_kernels: TileKernels = "auto"  # the loss tiles' passes: Triton kernels on CUDA, else torch
 
     def __init__(
         self,
@@ -287,7 +289,9 @@ class Qwen35VLForConditionalGeneration(nn.Module):
 
         hidden = self.model.language_model(embeds, positions[:, start:end].to(device), meta)
         local_labels = None if labels is None else labels[start:end].to(device)
-        return causal_lm_output(hidden, self.lm_head, local_labels, return_logits, loss_chunk_size)
+        return causal_lm_output(
+            hidden, self.lm_head, local_labels, return_logits, loss_chunk_size, self.loss_tile_kernels
+        )
 
     # -- HF checkpoints --------------------------------------------------------------------------------------
 
