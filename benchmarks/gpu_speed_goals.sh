@@ -3,7 +3,8 @@
 # and fla are staged into /tmp/site (../shared/gpu/stage-wheels.sh). Each part tars its results into
 # $OUT/<part>.tgz (a call brings back only a few files):
 #   bash benchmarks/gpu_speed_goals.sh step8k  # 0.8B at 8k: ours (both loss tile kernels), transformers, act. ckpt in
-#                                              # one process; the profile of ours; the loss alone
+#                                              # one process; with graphed norms/MLPs; the profile of ours; the
+#                                              # loss alone
 #   bash benchmarks/gpu_speed_goals.sh first   # first step of a fresh process, cold and warm (gpu_speed.sh SHIPPED=1);
 #                                              # the GPU tests of the loss tiles, the fused SwiGLU and GatedDecay
 #   bash benchmarks/gpu_speed_goals.sh long    # MFU at 32k (0.8B, 2B) and at 128k with checkpointing (2B)
@@ -24,6 +25,9 @@ case "$part" in
       --reps 7 --limit-s 60 --first-step-limit-s 150 \
       --variants cp_models "cp_models + torch loss tiles" transformers "cp_models + act. ckpt" 2>&1 \
       | tee "$res/step.log" | grep -E "^\||built"
+    timeout "${GRAPHED_S:-100}" python3 benchmarks/model_step.py --out "$res/graphed" --shapes qwen3_5-0.8b \
+      --seq-lens 8192 --reps 7 --limit-s 60 --variants "cp_models + graphed norms/MLP" 2>&1 \
+      | tee "$res/graphed.log" | grep -E "^\||built|Error"
     timeout "${PROFILE_S:-90}" python3 benchmarks/profile_qwen35.py --seq-len 8192 --variants ours --out "$res/profile" \
       2>&1 | tee "$res/profile.log" | tail -16
     timeout "${LOSS_S:-60}" python3 benchmarks/loss_moe_memory.py --tokens 8192 --tile-kernels torch triton \
