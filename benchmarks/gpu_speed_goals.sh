@@ -7,6 +7,8 @@
 #                                              # loss alone
 #   bash benchmarks/gpu_speed_goals.sh first   # first step of a fresh process, cold and warm (gpu_speed.sh SHIPPED=1);
 #                                              # the GPU tests of the loss tiles, the fused SwiGLU and GatedDecay
+#   bash benchmarks/gpu_speed_goals.sh kernels # with an empty Triton cache: ours' cold first step, then ours and
+#                                              # transformers at 8k in that process; the GPU tests of our kernels
 #   bash benchmarks/gpu_speed_goals.sh long    # MFU at 32k (0.8B, 2B) and at 128k with checkpointing (2B)
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$(ls -d "$PWD"/packages/*/src | paste -sd:)
@@ -41,6 +43,17 @@ case "$part" in
       packages/cp-core/tests/test_core_recurrent_gpu.py::test_gated_decay_in_fla_kernel_matches_torch 2>&1 \
       | tee "$res/tests.log" | tail -6
     ;;
+  kernels)  # a fresh Triton cache: ours' first step (cold) then 8k against transformers; the GPU tests of our kernels
+    TRITON_CACHE_DIR=/tmp/triton_kernels timeout "${STEP_S:-200}" python3 benchmarks/model_step.py --out "$res/step" \
+      --shapes qwen3_5-0.8b --seq-lens 8192 --reps 7 --limit-s 60 --first-step-limit-s 150 \
+      --variants cp_models transformers 2>&1 | tee "$res/step.log" | grep -E "^\||built"
+    python3 -c "import json,sys; print('first step s:', json.load(open(sys.argv[1]))['rows'][0].get('first_step_s'))" \
+      "$res/step/model_step.json"
+    TRITON_CACHE_DIR=/tmp/triton_kernels timeout "${TESTS_S:-90}" python3 -m pytest -q -p no:cacheprovider -rfEs \
+      packages/cp-models/tests/test_models_qwen35_gpu.py::test_fused_norm_kernels_match_reference \
+      packages/cp-models/tests/test_models_mlp.py::test_recomputing_swiglu_on_cuda_bf16_keeps_half_and_matches \
+      packages/cp-models/tests/test_models_qwen35_gpu.py::test_tiled_loss_bf16_on_cuda 2>&1 | tee "$res/tests.log" | tail -4
+    ;;
   long)
     timeout "${STEP_S:-300}" python3 benchmarks/model_step.py --out "$res/32k" --shapes qwen3_5-0.8b qwen3_5-2b \
       --seq-lens 32768 --reps 3 --limit-s 60 --first-step-limit-s 150 --variants cp_models 2>&1 \
@@ -50,7 +63,7 @@ case "$part" in
       | tee "$res/128k.log" | grep -E "^\||built"
     ;;
   *)
-    echo "unknown part $part: step8k, first or long" >&2
+    echo "unknown part $part: step8k, first, kernels or long" >&2
     exit 2
     ;;
 esac

@@ -197,14 +197,12 @@ def test_recomputing_mlp_under_activation_checkpointing(build, bias, early_stop)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("backend", ["fla", "torch"])
+@pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_recomputing_swiglu_on_cuda_bf16_keeps_half_and_matches(backend):
-    """The 2B shape's MLP (2048 -> 6144) on 8192 bf16 tokens, with fla's fused SwiGLU kernels and with torch's ops:
-    the same numbers as the plain expression within bf16 rounding (fla rounds silu(gate) * up once, torch twice;
-    cuBLAS may block the flattened weight-gradient matmul its own way) and, measured by the allocator, 2 instead of
-    4 [T, 6144] tensors kept between forward and backward."""
-    if backend == "fla":
-        pytest.importorskip("fla")
+    """The 2B shape's MLP (2048 -> 6144) on 8192 bf16 tokens, with our SwiGLU Triton kernels ("auto") and with
+    torch's ops: the same numbers as the plain expression within bf16 rounding (the kernel rounds silu(gate) * up
+    once, torch twice; cuBLAS may block the flattened weight-gradient matmul its own way) and, measured by the
+    allocator, 2 instead of 4 [T, 6144] tensors kept between forward and backward."""
     hidden, inter, tokens = 2048, 6144, 8192
     mlp = _init(Qwen35MLP(hidden, inter, backend), torch.bfloat16).cuda()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -231,44 +229,42 @@ def test_recomputing_swiglu_on_cuda_bf16_keeps_half_and_matches(backend):
     assert abs(kept(mlp.reference) - 4 * unit) <= unit // 100
 
 
-def _fake_fla_swiglu(monkeypatch) -> list[str]:
-    """fla's two SwiGLU kernels as torch code with their contract (``swiglu_fwd(x, y)`` = silu(x) * y,
-    ``swiglu_fwdbwd(x, y, g)`` = (d/dx, d/dy) of it against g), so the fused path's wiring runs on the CPU."""
+def _fake_swiglu_kernels(monkeypatch) -> list[str]:
+    """Our two SwiGLU kernels as torch code with their contract (``swiglu_fwd(x, y)`` = silu(x) * y,
+    ``swiglu_bwd(x, y, g)`` = (d/dx, d/dy) of it against g), so the fused path's wiring runs on the CPU in fp64."""
     import sys
     import types
 
     calls: list[str] = []
 
-    def swiglu_fwd(x, y, output_contiguous=False):
+    def swiglu_fwd(x, y):
         calls.append("fwd")
         return torch.nn.functional.silu(x) * y
 
-    def swiglu_fwdbwd(x, y, g, use_weight=False, output_contiguous=False):
-        calls.append("fwdbwd")
+    def swiglu_bwd(x, y, g):
+        calls.append("bwd")
         s = torch.sigmoid(x)
         return g * s * (1 + x * (1 - s)) * y, g * x * s
 
-    activations = types.ModuleType("fla.modules.activations")
-    activations.swiglu_fwd, activations.swiglu_fwdbwd = swiglu_fwd, swiglu_fwdbwd
-    for name, module in (("fla", types.ModuleType("fla")), ("fla.modules", types.ModuleType("fla.modules"))):
-        monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setitem(sys.modules, "fla.modules.activations", activations)
-    monkeypatch.setattr("cp_models.feed_forward.resolve_recurrent_backend", lambda backend, x, op: "fla")
+    kernels = types.ModuleType("cp_models.swiglu_triton")
+    kernels.swiglu_fwd, kernels.swiglu_bwd = swiglu_fwd, swiglu_bwd
+    monkeypatch.setitem(sys.modules, "cp_models.swiglu_triton", kernels)
+    monkeypatch.setattr("cp_models.feed_forward.own_kernels_apply", lambda backend, x: True)
     return calls
 
 
 @pytest.mark.parametrize("frozen_down", [False, True])
 def test_fused_swiglu_path_gives_the_plain_expressions_gradients(monkeypatch, frozen_down):
-    """The path that runs fla's SwiGLU kernels on CUDA, with those kernels replaced by their torch contract (fp64):
+    """The path that runs our SwiGLU kernels on CUDA, with those kernels replaced by their torch contract (fp64):
     the output and every gradient of the plain expression, with and without down_proj's gradient; forward takes
     one kernel and backward two (the recomputed product only when down_proj needs its gradient)."""
-    calls = _fake_fla_swiglu(monkeypatch)
+    calls = _fake_swiglu_kernels(monkeypatch)
     mlp = _init(Qwen35MLP(24, 40), torch.float64)
     mlp.down_proj.requires_grad_(not frozen_down)
     x = torch.randn(9, 24, dtype=torch.float64)
     upstream = torch.randn(9, 24, dtype=torch.float64)
     out, grads = _grads(mlp, mlp, x, upstream)
-    assert calls == (["fwd", "fwdbwd"] if frozen_down else ["fwd", "fwd", "fwdbwd"])
+    assert calls == (["fwd", "bwd"] if frozen_down else ["fwd", "fwd", "bwd"])
     ref_out, ref_grads = _grads(mlp, mlp.reference, x, upstream)
     assert relative_l2(out, ref_out) < 1e-15
     assert len(grads) == len(ref_grads) == 1 + len([p for p in mlp.parameters() if p.requires_grad])

@@ -89,12 +89,15 @@ def test_moe_grouped_gemm_matches_loop():
 
 
 def test_fused_norm_kernels_match_reference():
-    """fla's fused RMSNorm and gated (grouped) RMSNorm equal the torch references in bf16: outputs and grads."""
+    """Our zero-centered RMSNorm kernels (fp32 and bf16 weights, hidden and per-head widths) and fla's gated
+    (grouped) RMSNorm equal the torch references in bf16: outputs and grads."""
     from cp_models.norms import GatedRMSNorm, ZeroCenteredRMSNorm
 
     torch.manual_seed(0)
     cases = [
         (ZeroCenteredRMSNorm(1024), (4096, 1024), False),
+        (ZeroCenteredRMSNorm(1024).bfloat16(), (3000, 1024), False),  # the models' bf16 weight, a partial block
+        (ZeroCenteredRMSNorm(256).bfloat16(), (4096, 8, 256), False),  # attention's q / k norm: per head
         (GatedRMSNorm(128), (4096, 16, 128), True),  # Qwen3.5 GDN: per head, norm then gate
         (GatedRMSNorm(512, group_size=128, norm_before_gate=False), (4096, 512), True),  # Mamba-2: gate, group norm
     ]

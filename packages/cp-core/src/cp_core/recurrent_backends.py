@@ -1,7 +1,7 @@
 """Choice between torch reference paths and GPU kernels for the recurrent primitives.
 
 Backends: ``"torch"`` (the reference paths, any device), ``"fla"`` (flash-linear-attention: conv, SSD, gated delta,
-gated norm, SwiGLU), ``"mamba_ssm"`` (mamba-ssm's Triton SSD and causal-conv1d's CUDA conv for Mamba-2 layers; the ops
+gated norm), ``"mamba_ssm"`` (mamba-ssm's Triton SSD and causal-conv1d's CUDA conv for Mamba-2 layers; the ops
 those packages lack run as under ``"auto"``), and ``"auto"``, which picks per op the fastest kernel installed by
 the table in docs/benchmarks/recurrent_kernels.md (:data:`AUTO_ORDER`).
 
@@ -21,7 +21,7 @@ from cp_core.errors import ContextParallelError
 
 RecurrentBackend = Literal["auto", "torch", "fla", "mamba_ssm"]
 RECURRENT_BACKENDS: tuple[str, ...] = ("auto", "torch", "fla", "mamba_ssm")
-KernelOp = Literal["conv", "ssd", "gated_delta", "norm", "swiglu"]
+KernelOp = Literal["conv", "ssd", "gated_delta", "norm"]
 
 # Per op, the kernels "auto" tries in order on CUDA tensors (then torch): the fastest first by
 # docs/benchmarks/recurrent_kernels.md (fla ahead of causal-conv1d and mamba-ssm at 8k-128k on H100).
@@ -30,7 +30,6 @@ AUTO_ORDER: dict[str, tuple[str, ...]] = {
     "ssd": ("fla", "mamba_ssm"),
     "gated_delta": ("fla",),
     "norm": ("fla",),
-    "swiglu": ("fla",),
 }
 _MAMBA_SSM_OPS = ("conv", "ssd")
 

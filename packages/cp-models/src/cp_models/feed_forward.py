@@ -7,7 +7,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cp_core import RecurrentBackend, resolve_recurrent_backend
+from cp_core import RecurrentBackend
+from cp_models.triton_support import own_kernels_apply
 
 
 class _WeightedSlotSum(torch.autograd.Function):
@@ -82,11 +83,11 @@ def _linear_weight_grads(grad_out: torch.Tensor, act: torch.Tensor | None, ctx, 
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, fused: bool) -> torch.Tensor:
-    """``silu(gate) * up``: fla's one-pass kernel (fp32 inside, one rounding) or the torch expression."""
+    """``silu(gate) * up``: one Triton pass (fp32 inside, one rounding) or the torch expression."""
     if fused:
-        from fla.modules.activations import swiglu_fwd
+        from cp_models.swiglu_triton import swiglu_fwd
 
-        return swiglu_fwd(gate, up, output_contiguous=True)
+        return swiglu_fwd(gate, up)
     return F.silu(gate) * up
 
 
@@ -94,8 +95,8 @@ class _SwiGLULinear(torch.autograd.Function):
     """``F.linear(silu(gate) * up, weight, bias)`` keeping only ``gate`` and ``up`` for backward.
 
     Autograd on the plain expression keeps four [T, intermediate] tensors (gate, silu(gate), up, the product);
-    silu(gate) and the product are recomputed here. With ``fused`` (CUDA with fla) the product and the two input
-    gradients are one fla kernel each; otherwise the backward runs the ops autograd would (mul, silu_backward, the
+    silu(gate) and the product are recomputed here. With ``fused`` (CUDA) the product and the two input gradients
+    are one Triton kernel each (:mod:`cp_models.swiglu_triton`); otherwise the backward runs the ops autograd would (mul, silu_backward, the
     two matmuls), so the gradients are autograd's. Either way its extra live tensors peak at three
     [T, intermediate] buffers.
     """
@@ -110,12 +111,12 @@ class _SwiGLULinear(torch.autograd.Function):
     def backward(ctx, grad_out):
         gate, up, weight = ctx.saved_tensors
         if ctx.fused:
-            from fla.modules.activations import swiglu_fwdbwd
+            from cp_models.swiglu_triton import swiglu_bwd
 
             act = _swiglu(gate, up, True) if ctx.needs_input_grad[2] else None
             grad_weight, grad_bias = _linear_weight_grads(grad_out, act, ctx, 2)
             del act
-            grad_gate, grad_up = swiglu_fwdbwd(gate, up, grad_out.matmul(weight), output_contiguous=True)
+            grad_gate, grad_up = swiglu_bwd(gate, up, grad_out.matmul(weight))
             return grad_gate, grad_up, grad_weight, grad_bias, None
         silu = F.silu(gate)
         grad_weight, grad_bias = _linear_weight_grads(grad_out, silu * up, ctx, 2)
@@ -162,11 +163,11 @@ def swiglu_linear(
     gate: torch.Tensor, up: torch.Tensor, down_proj: nn.Module, backend: RecurrentBackend = "auto"
 ) -> torch.Tensor:
     """``down_proj(silu(gate) * up)``, recomputing silu(gate) and the product in backward: 2 instead of 4
-    [T, intermediate] tensors kept; on CUDA with fla (``backend`` "auto" or "fla") the activation and its
-    gradients are fla's fused kernels. Any ``down_proj`` other than a plain ``nn.Linear`` (a LoRA adapter), and
+    [T, intermediate] tensors kept; on CUDA (any ``backend`` but "torch") the activation and its gradients are
+    one Triton kernel each. Any ``down_proj`` other than a plain ``nn.Linear`` (a LoRA adapter), and
     autocast, get the plain expression."""
     if _recompute_applies(gate, down_proj):
-        fused = resolve_recurrent_backend(backend, gate, "swiglu") == "fla"
+        fused = own_kernels_apply(backend, gate)
         return _SwiGLULinear.apply(gate, up, down_proj.weight, down_proj.bias, fused)
     return down_proj(F.silu(gate) * up)
 

@@ -11,14 +11,13 @@ reads the fp32 tile once and writes the cast result. Same arithmetic up to the o
 
 from __future__ import annotations
 
-import importlib.util
 import os
-from functools import cache
 from typing import Literal
 
 import torch
 
 from cp_core import ContextParallelError
+from cp_models.triton_support import KERNEL_DTYPES, triton_available
 
 TileKernels = Literal["auto", "torch", "triton"]
 TILE_KERNELS: tuple[str, ...] = ("auto", "torch", "triton")
@@ -81,14 +80,6 @@ def tile_grad_triton(
     return out
 
 
-@cache
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
 def resolve_tile_kernels(kernels: str, hidden: torch.Tensor) -> str:
     """``"torch"`` or ``"triton"`` for tiles made from ``hidden``: ``"auto"`` takes the Triton kernels for CUDA
     bf16/fp16/fp32 tensors when Triton is installed, else torch's ops; a forced ``"triton"`` that cannot run raises
@@ -96,11 +87,11 @@ def resolve_tile_kernels(kernels: str, hidden: torch.Tensor) -> str:
     if kernels not in TILE_KERNELS:
         raise ContextParallelError(f"tile_kernels={kernels!r} is not one of {TILE_KERNELS}")
     if kernels == "auto":
-        usable = hidden.is_cuda and hidden.dtype in _TRITON_DTYPES and triton_available()
+        usable = hidden.is_cuda and hidden.dtype in KERNEL_DTYPES and triton_available()
         return "triton" if usable else "torch"
     if kernels == "torch":
         return "torch"
-    if hidden.dtype not in _TRITON_DTYPES:
+    if hidden.dtype not in KERNEL_DTYPES:
         raise ContextParallelError(
             f"tile_kernels='triton' runs fp32 tiles (bf16, fp16 or fp32 models); hidden is {hidden.dtype}: "
             "use tile_kernels='torch' or 'auto'"

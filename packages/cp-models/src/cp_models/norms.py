@@ -1,5 +1,5 @@
-"""The RMSNorms of the models: zero-centered (Qwen3.5) and gated (GDN's output, Mamba-2's grouped one), each a
-torch reference plus flash-linear-attention's fused kernel on CUDA."""
+"""The RMSNorms of the models: zero-centered (Qwen3.5; our Triton kernels on CUDA) and gated (GDN's output, Mamba-2's
+grouped one; flash-linear-attention's fused kernel on CUDA), each beside its torch reference."""
 
 from __future__ import annotations
 
@@ -8,13 +8,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cp_core import RecurrentBackend, resolve_recurrent_backend
+from cp_models.triton_support import own_kernels_apply
 
 
 class ZeroCenteredRMSNorm(nn.Module):
     """RMSNorm with weight stored as an offset from 1 (``x / rms(x) * (1 + w)``), computed in fp32.
 
-    On CUDA with flash-linear-attention (``backend`` "auto" or "fla") one fused kernel each way, which keeps only
-    ``x`` and the per-row rstd for backward; :meth:`reference` is the torch path everywhere else.
+    On CUDA (any ``backend`` but "torch") one Triton kernel each way (:mod:`cp_models.norm_triton`: fixed configs,
+    nothing to autotune), which keeps only ``x`` and the per-row rstd for backward; :meth:`reference` is the torch
+    path everywhere else.
     """
 
     def __init__(self, dim: int, eps: float = 1e-6, backend: RecurrentBackend = "auto"):
@@ -27,11 +29,15 @@ class ZeroCenteredRMSNorm(nn.Module):
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * (1.0 + self.weight.float())).type_as(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if resolve_recurrent_backend(self.backend, x, "norm") == "fla":
-            from fla.modules.norm.layernorm import rms_norm
+    def fused_on(self, x: torch.Tensor) -> bool:
+        """Whether tensors like ``x`` run the fused kernels (else the reference)."""
+        return own_kernels_apply(self.backend, x)
 
-            return rms_norm(x, 1.0 + self.weight.float(), None, eps=self.eps)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_on(x):
+            from cp_models.norm_triton import ZeroCenteredRMSNormFunction
+
+            return ZeroCenteredRMSNormFunction.apply(x, self.weight, self.eps)
         return self.reference(x)
 
 
@@ -68,8 +74,12 @@ class GatedRMSNorm(nn.Module):
             y = y * F.silu(gate.float())
         return y.to(dtype)
 
+    def fused_on(self, x: torch.Tensor) -> bool:
+        """Whether tensors like ``x`` run the fused kernel (else the reference)."""
+        return resolve_recurrent_backend(self.backend, x, "norm") == "fla"
+
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        if resolve_recurrent_backend(self.backend, x, "norm") == "fla":
+        if self.fused_on(x):
             from fla.modules.norm.layernorm_gated import rmsnorm_fn
 
             group = None if self.group_size == x.size(-1) else self.group_size

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from cp_core import CPTopology, resolve_recurrent_backend
+from cp_core import CPTopology
 from cp_models.activation_checkpointing import decoder_layers
 from cp_models.context_parallel import ContextParallelModule
 
@@ -96,11 +96,11 @@ def apply_compile(model: nn.Module) -> int:
 
 
 def _fused(module: nn.Module) -> bool:
-    """Whether ``module`` already runs as a fused flash-linear-attention kernel (the norms on CUDA)."""
+    """Whether ``module`` already runs as fused kernels (the norms on CUDA)."""
     weight = getattr(module, "weight", None)
-    if not hasattr(module, "backend") or not isinstance(weight, torch.Tensor):
+    if not hasattr(module, "fused_on") or not isinstance(weight, torch.Tensor):
         return False
-    return resolve_recurrent_backend(module.backend, weight, "norm") == "fla"
+    return module.fused_on(weight)
 
 
 # Children of a decoder block (or of its token mixer) that may be compiled; those that are token mixers

@@ -1,0 +1,103 @@
+"""The zero-centered RMSNorm (``x / rms(x) * (1 + w)``, fp32 inside) as Triton kernels with configs fixed by the
+row width (no autotuning), forward and backward, for :class:`cp_models.norms.ZeroCenteredRMSNorm` on CUDA; its
+torch reference is ``ZeroCenteredRMSNorm.reference``. Keeps ``x`` and one fp32 rstd per row for backward."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+ROW_ELEMENTS = 4096  # elements of a [rows, width] block a program holds at a time
+MAX_PROGRAMS = 1024  # backward programs, each summing its rows' weight gradient into one fp32 row
+
+
+@triton.jit
+def rms_norm_fwd_kernel(x, w, y, rstd, rows, width, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    c = tl.arange(0, BLOCK)
+    mask = (r[:, None] < rows) & (c[None, :] < width)
+    offs = r[:, None] * width + c[None, :]
+    xs = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(xs * xs, 1) / width + eps)
+    scale = 1.0 + tl.load(w + c, mask=c < width, other=0.0).to(tl.float32)
+    tl.store(y + offs, (xs * inv[:, None] * scale[None, :]).to(y.dtype.element_ty), mask=mask)
+    tl.store(rstd + r, inv, mask=r < rows)
+
+
+@triton.jit
+def rms_norm_bwd_kernel(
+    x, w, rstd, dy, dx, dw_partial, rows, width, blocks_per_program, ROWS: tl.constexpr, BLOCK: tl.constexpr
+):
+    """dx = rstd * ((1 + w) dy - x_hat * mean(x_hat (1 + w) dy)) with x_hat = x * rstd; each program's sum of
+    dy * x_hat over its rows goes to its row of ``dw_partial``."""
+    program = tl.program_id(0)
+    c = tl.arange(0, BLOCK)
+    scale = 1.0 + tl.load(w + c, mask=c < width, other=0.0).to(tl.float32)
+    dw = tl.zeros([ROWS, BLOCK], tl.float32)
+    for block in range(0, blocks_per_program):
+        r = (program * blocks_per_program + block).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        mask = (r[:, None] < rows) & (c[None, :] < width)
+        offs = r[:, None] * width + c[None, :]
+        inv = tl.load(rstd + r, mask=r < rows, other=0.0)
+        x_hat = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32) * inv[:, None]
+        g = tl.load(dy + offs, mask=mask, other=0.0).to(tl.float32)
+        wg = g * scale[None, :]
+        mean = tl.sum(x_hat * wg, 1) / width
+        tl.store(dx + offs, ((wg - x_hat * mean[:, None]) * inv[:, None]).to(dx.dtype.element_ty), mask=mask)
+        dw += g * x_hat
+    tl.store(dw_partial + program * width + c, tl.sum(dw, 0), mask=c < width)
+
+
+def _layout(width: int) -> tuple[int, int, int]:
+    """(rows per block, block width, warps) for rows of ``width``."""
+    block = triton.next_power_of_2(width)
+    return max(1, ROW_ELEMENTS // block), block, 8 if block >= 4096 else 4
+
+
+def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, rstd)`` for ``x`` [..., width] (``y`` in x's dtype, ``rstd`` fp32 per row)."""
+    width = x.size(-1)
+    flat = x.reshape(-1, width).contiguous()
+    rows = flat.size(0)
+    y, rstd = torch.empty_like(flat), torch.empty(rows, dtype=torch.float32, device=x.device)
+    per_block, block, warps = _layout(width)
+    rms_norm_fwd_kernel[(triton.cdiv(rows, per_block),)](
+        flat, weight, y, rstd, rows, width, eps, ROWS=per_block, BLOCK=block, num_warps=warps
+    )  # fmt: skip
+    return y.view(x.shape), rstd
+
+
+def rms_norm_bwd(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, max_programs: int = MAX_PROGRAMS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, dw)``: dx in x's dtype, dw (the gradient of the offset ``w``) fp32."""
+    width = x.size(-1)
+    flat, grad = x.reshape(-1, width).contiguous(), dy.reshape(-1, width).contiguous()
+    rows = flat.size(0)
+    per_block, block, warps = _layout(width)
+    blocks = triton.cdiv(rows, per_block)
+    programs = min(blocks, max_programs)
+    blocks_per_program = triton.cdiv(blocks, programs)
+    programs = triton.cdiv(blocks, blocks_per_program)
+    dx = torch.empty_like(flat)
+    partial = torch.empty(programs, width, dtype=torch.float32, device=x.device)
+    rms_norm_bwd_kernel[(programs,)](
+        flat, weight, rstd, grad, dx, partial, rows, width, blocks_per_program, ROWS=per_block, BLOCK=block,
+        num_warps=warps,
+    )  # fmt: skip
+    return dx.view(x.shape), partial.sum(0)
+
+
+class ZeroCenteredRMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y, rstd = rms_norm_fwd(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = rms_norm_bwd(dy, x, weight, rstd)
+        return dx, dw.to(weight.dtype), None
