@@ -96,3 +96,46 @@ def test_own_kernels_run_only_where_they_can():
     norm = ZeroCenteredRMSNorm(4)
     x = torch.randn(3, 4)
     assert torch.equal(norm(x), norm.reference(x))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_kernels_compile_for_hopper():
+    """Every kernel of ours, at the configs the models launch (bf16 and fp32; the norm at per-head and hidden
+    widths), compiles to an sm_90 binary through Triton's whole pipeline (ptxas included), without a GPU: the
+    interpreter test checks what they compute, this one that the compiler takes them."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from cp_models.loss_triton import tile_grad_kernel, tile_stats_kernel
+    from cp_models.norm_triton import _layout, rms_norm_bwd_kernel, rms_norm_fwd_kernel
+    from cp_models.swiglu_triton import BLOCK, NUM_WARPS, swiglu_bwd_kernel, swiglu_fwd_kernel
+
+    def compiled(fn, types: dict[str, str], constants: dict[str, int], warps: int) -> int:
+        signature = {**types, **dict.fromkeys(constants, "constexpr")}
+        source = ASTSource(fn=fn, signature=signature, constexprs=constants)
+        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        return len(kernel.asm["cubin"])
+
+    for dt in ("bf16", "fp32"):
+        for width in (256, 1024, 2048, 3000):
+            rows, block, warps = _layout(width)
+            layout = {"ROWS": rows, "BLOCK": block}
+            norm = {"rows": "i32", "width": "i32"}
+            assert compiled(rms_norm_fwd_kernel, {"x": f"*{dt}", "w": f"*{dt}", "y": f"*{dt}", "rstd": "*fp32",
+                                                  **norm, "eps": "fp32"}, layout, warps)  # fmt: skip
+            assert compiled(rms_norm_bwd_kernel, {"x": f"*{dt}", "w": f"*{dt}", "rstd": "*fp32", "dy": f"*{dt}",
+                                                  "dx": f"*{dt}", "dw_partial": "*fp32", **norm,
+                                                  "blocks_per_program": "i32"}, layout, warps)  # fmt: skip
+        flat = {"n": "i32"}
+        assert compiled(swiglu_fwd_kernel, {"gate": f"*{dt}", "up": f"*{dt}", "out": f"*{dt}", **flat},
+                        {"BLOCK": BLOCK}, NUM_WARPS)  # fmt: skip
+        assert compiled(swiglu_bwd_kernel, {"gate": f"*{dt}", "up": f"*{dt}", "grad_act": f"*{dt}",
+                                            "grad_gate": f"*{dt}", "grad_up": f"*{dt}", **flat},
+                        {"BLOCK": BLOCK}, NUM_WARPS)  # fmt: skip
+        tile = {"n_cols": "i32", "stride_row": "i32"}
+        assert compiled(tile_stats_kernel, {"logits": "*fp32", "columns": "*i64", "row_max": "*fp32",
+                                            "exp_sum": "*fp32", "label_logit": "*fp32", **tile}, {"BLOCK": 1024}, 4)  # fmt: skip
+        assert compiled(tile_grad_kernel, {"logits": "*fp32", "lse": "*fp32", "columns": "*i64",
+                                           "minus_onehot": "*fp32", "out": f"*{dt}", **tile, "stride_out": "i32"},
+                        {"BLOCK": 1024}, 4)  # fmt: skip

@@ -52,7 +52,7 @@ def rms_norm_bwd_kernel(
 def _layout(width: int) -> tuple[int, int, int]:
     """(rows per block, block width, warps) for rows of ``width``."""
     block = triton.next_power_of_2(width)
-    return max(1, ROW_ELEMENTS // block), block, 8 if block >= 4096 else 4
+    return max(1, ROW_ELEMENTS // block), block, 16 if block >= 8192 else 8
 
 
 def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
