@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -93,6 +94,9 @@ def test_auto_takes_torch_where_triton_cannot_run():
     and for fp64 it runs torch's ops, so the results are the torch path's exactly."""
     cpu = torch.randn(3, 4)
     assert resolve_tile_kernels("auto", cpu) == "torch"
+    if importlib.util.find_spec("triton") is not None:  # what "auto" takes on CUDA, without needing one
+        for dtype, kernels in ((torch.bfloat16, "triton"), (torch.float32, "triton"), (torch.float64, "torch")):
+            assert resolve_tile_kernels("auto", types.SimpleNamespace(is_cuda=True, dtype=dtype)) == kernels
     assert resolve_tile_kernels("auto", cpu.double()) == "torch"
     assert resolve_tile_kernels("torch", cpu) == "torch"
     gen = torch.Generator().manual_seed(0)

@@ -229,6 +229,24 @@ def test_recomputing_swiglu_on_cuda_bf16_keeps_half_and_matches(backend):
     assert abs(kept(mlp.reference) - 4 * unit) <= unit // 100
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_mlp_with_the_swiglu_kernels_matches_eager():
+    """``apply_compile`` compiles each block's MLP: with the SwiGLU kernels inside (opaque to torch.compile) the
+    compiled MLP gives eager's output and gradients (bf16, two row lengths, the second recompiling)."""
+    mlp = _init(Qwen35MLP(256, 768), torch.bfloat16).cuda()
+    compiled = torch.compile(mlp)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for tokens in (1000, 4096):
+        x = torch.randn(tokens, 256, generator=gen, device="cuda", dtype=torch.bfloat16)
+        upstream = torch.randn(tokens, 256, generator=gen, device="cuda", dtype=torch.bfloat16)
+        out, grads = _grads(mlp, mlp, x, upstream)
+        compiled_out, compiled_grads = _grads(mlp, compiled, x, upstream)
+        assert relative_l2(compiled_out, out) <= 4e-3
+        for got, want in zip(compiled_grads, grads, strict=True):
+            assert relative_l2(got, want) <= 4e-3, relative_l2(got, want)
+
+
 def _fake_swiglu_kernels(monkeypatch) -> list[str]:
     """Our two SwiGLU kernels as torch code with their contract (``swiglu_fwd(x, y)`` = silu(x) * y,
     ``swiglu_bwd(x, y, g)`` = (d/dx, d/dy) of it against g), so the fused path's wiring runs on the CPU in fp64."""

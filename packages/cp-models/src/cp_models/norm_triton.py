@@ -7,6 +7,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
+
+from cp_models.triton_support import launch_device
 
 ROW_ELEMENTS = 4096  # elements of a [rows, width] block a program holds at a time
 MAX_PROGRAMS = 1024  # backward programs, each summing its rows' weight gradient into one fp32 row
@@ -19,7 +22,7 @@ def rms_norm_fwd_kernel(x, w, y, rstd, rows, width, eps, ROWS: tl.constexpr, BLO
     mask = (r[:, None] < rows) & (c[None, :] < width)
     offs = r[:, None] * width + c[None, :]
     xs = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(xs * xs, 1) / width + eps)
+    inv = tl.math.rsqrt(tl.sum(xs * xs, 1) / width + eps)
     scale = 1.0 + tl.load(w + c, mask=c < width, other=0.0).to(tl.float32)
     tl.store(y + offs, (xs * inv[:, None] * scale[None, :]).to(y.dtype.element_ty), mask=mask)
     tl.store(rstd + r, inv, mask=r < rows)
@@ -27,10 +30,21 @@ def rms_norm_fwd_kernel(x, w, y, rstd, rows, width, eps, ROWS: tl.constexpr, BLO
 
 @triton.jit
 def rms_norm_bwd_kernel(
-    x, w, rstd, dy, dx, dw_partial, rows, width, blocks_per_program, ROWS: tl.constexpr, BLOCK: tl.constexpr
+    x,
+    w,
+    rstd,
+    dy,
+    dx,
+    dw_partial,
+    rows,
+    width,
+    blocks_per_program,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    WEIGHT_GRAD: tl.constexpr,
 ):
-    """dx = rstd * ((1 + w) dy - x_hat * mean(x_hat (1 + w) dy)) with x_hat = x * rstd; each program's sum of
-    dy * x_hat over its rows goes to its row of ``dw_partial``."""
+    """dx = rstd * ((1 + w) dy - x_hat * mean(x_hat (1 + w) dy)) with x_hat = x * rstd; with ``WEIGHT_GRAD`` each
+    program's sum of dy * x_hat over its rows goes to its row of ``dw_partial``."""
     program = tl.program_id(0)
     c = tl.arange(0, BLOCK)
     scale = 1.0 + tl.load(w + c, mask=c < width, other=0.0).to(tl.float32)
@@ -45,8 +59,10 @@ def rms_norm_bwd_kernel(
         wg = g * scale[None, :]
         mean = tl.sum(x_hat * wg, 1) / width
         tl.store(dx + offs, ((wg - x_hat * mean[:, None]) * inv[:, None]).to(dx.dtype.element_ty), mask=mask)
-        dw += g * x_hat
-    tl.store(dw_partial + program * width + c, tl.sum(dw, 0), mask=c < width)
+        if WEIGHT_GRAD:
+            dw += g * x_hat
+    if WEIGHT_GRAD:
+        tl.store(dw_partial + program * width + c, tl.sum(dw, 0), mask=c < width)
 
 
 def _layout(width: int) -> tuple[int, int, int]:
@@ -55,38 +71,56 @@ def _layout(width: int) -> tuple[int, int, int]:
     return max(1, ROW_ELEMENTS // block), block, 16 if block >= 8192 else 8
 
 
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if weight.dim() != 1 or weight.numel() != x.size(-1):
+        raise ValueError(f"weight of shape {tuple(weight.shape)} does not match rows of width {x.size(-1)}")
+
+
+@torch.compiler.disable  # opaque to torch.compile: launched as they are
 def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, rstd)`` for ``x`` [..., width] (``y`` in x's dtype, ``rstd`` fp32 per row)."""
+    _check(x, weight)
     width = x.size(-1)
     flat = x.reshape(-1, width).contiguous()
     rows = flat.size(0)
     y, rstd = torch.empty_like(flat), torch.empty(rows, dtype=torch.float32, device=x.device)
-    per_block, block, warps = _layout(width)
-    rms_norm_fwd_kernel[(triton.cdiv(rows, per_block),)](
-        flat, weight, y, rstd, rows, width, eps, ROWS=per_block, BLOCK=block, num_warps=warps
-    )  # fmt: skip
+    if rows:
+        per_block, block, warps = _layout(width)
+        with launch_device(x):
+            rms_norm_fwd_kernel[(triton.cdiv(rows, per_block),)](
+                flat, weight.contiguous(), y, rstd, rows, width, eps, ROWS=per_block, BLOCK=block, num_warps=warps
+            )  # fmt: skip
     return y.view(x.shape), rstd
 
 
+@torch.compiler.disable  # opaque to torch.compile: launched as they are
 def rms_norm_bwd(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, max_programs: int = MAX_PROGRAMS
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dx, dw)``: dx in x's dtype, dw (the gradient of the offset ``w``) fp32."""
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    weight_grad: bool = True,
+    max_programs: int = MAX_PROGRAMS,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(dx, dw)``: dx in x's dtype, dw (the gradient of the offset ``w``; None without ``weight_grad``) fp32."""
+    _check(x, weight)
     width = x.size(-1)
     flat, grad = x.reshape(-1, width).contiguous(), dy.reshape(-1, width).contiguous()
     rows = flat.size(0)
+    dx = torch.empty_like(flat)
+    if not rows:
+        return dx.view(x.shape), (torch.zeros(width, dtype=torch.float32, device=x.device) if weight_grad else None)
     per_block, block, warps = _layout(width)
     blocks = triton.cdiv(rows, per_block)
-    programs = min(blocks, max_programs)
-    blocks_per_program = triton.cdiv(blocks, programs)
+    blocks_per_program = triton.cdiv(blocks, min(blocks, max_programs))
     programs = triton.cdiv(blocks, blocks_per_program)
-    dx = torch.empty_like(flat)
-    partial = torch.empty(programs, width, dtype=torch.float32, device=x.device)
-    rms_norm_bwd_kernel[(programs,)](
-        flat, weight, rstd, grad, dx, partial, rows, width, blocks_per_program, ROWS=per_block, BLOCK=block,
-        num_warps=warps,
-    )  # fmt: skip
-    return dx.view(x.shape), partial.sum(0)
+    partial = torch.empty(programs if weight_grad else 1, width, dtype=torch.float32, device=x.device)
+    with launch_device(x):
+        rms_norm_bwd_kernel[(programs,)](
+            flat, weight.contiguous(), rstd, grad, dx, partial, rows, width, blocks_per_program, ROWS=per_block,
+            BLOCK=block, WEIGHT_GRAD=weight_grad, num_warps=warps,
+        )  # fmt: skip
+    return dx.view(x.shape), partial.sum(0) if weight_grad else None
 
 
 class ZeroCenteredRMSNormFunction(torch.autograd.Function):
@@ -97,7 +131,8 @@ class ZeroCenteredRMSNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
-        dx, dw = rms_norm_bwd(dy, x, weight, rstd)
-        return dx, dw.to(weight.dtype), None
+        dx, dw = rms_norm_bwd(dy, x, weight, rstd, weight_grad=ctx.needs_input_grad[1])
+        return dx, None if dw is None else dw.to(weight.dtype), None

@@ -208,7 +208,7 @@ class Qwen35GatedDeltaNet(ContextParallelModule):
 class Qwen35MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, backend: RecurrentBackend = "auto"):
         super().__init__()
-        self.backend = backend  # "auto": fla's fused SwiGLU on CUDA when installed
+        self.backend = backend  # anything but "torch": the SwiGLU Triton kernels on CUDA
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)

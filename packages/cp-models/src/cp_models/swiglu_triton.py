@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cp_models.triton_support import launch_device
+
 BLOCK = 1024  # elements a program handles
 NUM_WARPS = 4
 
@@ -35,24 +37,32 @@ def swiglu_bwd_kernel(gate, up, grad_act, grad_gate, grad_up, n, BLOCK: tl.const
 
 
 def _flat(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    if len({t.shape for t in tensors}) != 1:
+        raise ValueError(f"SwiGLU operands differ in shape: {[tuple(t.shape) for t in tensors]}")
     return [t.contiguous() for t in tensors]
 
 
+@torch.compiler.disable  # opaque to torch.compile: launched as they are
 def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` (same shape and dtype as ``gate``)."""
     gate, up = _flat(gate, up)
     out = torch.empty_like(gate)
     n = gate.numel()
-    swiglu_fwd_kernel[(triton.cdiv(n, BLOCK),)](gate, up, out, n, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    if n:
+        with launch_device(gate):
+            swiglu_fwd_kernel[(triton.cdiv(n, BLOCK),)](gate, up, out, n, BLOCK=BLOCK, num_warps=NUM_WARPS)
     return out
 
 
+@torch.compiler.disable  # opaque to torch.compile: launched as they are
 def swiglu_bwd(gate: torch.Tensor, up: torch.Tensor, grad_act: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradients of ``silu(gate) * up`` with respect to ``gate`` and ``up`` against ``grad_act``."""
     gate, up, grad_act = _flat(gate, up, grad_act)
     grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
     n = gate.numel()
-    swiglu_bwd_kernel[(triton.cdiv(n, BLOCK),)](
-        gate, up, grad_act, grad_gate, grad_up, n, BLOCK=BLOCK, num_warps=NUM_WARPS
-    )  # fmt: skip
+    if n:
+        with launch_device(gate):
+            swiglu_bwd_kernel[(triton.cdiv(n, BLOCK),)](
+                gate, up, grad_act, grad_gate, grad_up, n, BLOCK=BLOCK, num_warps=NUM_WARPS
+            )  # fmt: skip
     return grad_gate, grad_up
