@@ -69,6 +69,14 @@ for rows, heads, width, frozen in ((6, 3, 64, False), (3, 1, 5000, False), (4, 2
     tag = f"{rows}x{heads}x{width}{' frozen' if frozen else ''}"
     for name, got, want in zip(("y", "dx", "dw"), grads[1], grads[0]):
         errors[f"function {name} {tag}"] = rel(got, want)
+# What backward keeps of a strided view: a copy of the normed half, not the view's base.
+base = torch.randn(5, 2, 128, generator=gen, requires_grad=True)
+kept = []
+with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+    ZeroCenteredRMSNormFunction.apply(base.chunk(2, dim=-1)[0], torch.zeros(64, requires_grad=True), 1e-6)
+storages = {t.untyped_storage().data_ptr() for t in kept}
+assert base.untyped_storage().data_ptr() not in storages, "the view's base is kept"
+assert sum(t.numel() for t in kept if t.dim() == 2) == 5 * 2 * 64, [tuple(t.shape) for t in kept]
 norm = ZeroCenteredRMSNorm(96, eps=1e-6, backend="torch").to(torch.bfloat16)
 with torch.no_grad():
     norm.weight.normal_(0.0, 0.3, generator=gen)

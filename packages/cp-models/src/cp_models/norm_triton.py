@@ -124,15 +124,20 @@ def rms_norm_bwd(
 
 
 class ZeroCenteredRMSNormFunction(torch.autograd.Function):
+    """Saves the input as rows of one contiguous tensor: a strided view (attention's q_norm reads half of
+    q_proj's output) is copied once, so what backward keeps is the normed part alone, not the view's base."""
+
     @staticmethod
     def forward(ctx, x, weight, eps):
-        y, rstd = rms_norm_fwd(x, weight, eps)
-        ctx.save_for_backward(x, weight, rstd)
-        return y
+        rows = x.reshape(-1, x.size(-1)).contiguous()
+        y, rstd = rms_norm_fwd(rows, weight, eps)
+        ctx.save_for_backward(rows, weight, rstd)
+        ctx.shape = x.shape
+        return y.view(x.shape)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        x, weight, rstd = ctx.saved_tensors
-        dx, dw = rms_norm_bwd(dy, x, weight, rstd, weight_grad=ctx.needs_input_grad[1])
-        return dx, None if dw is None else dw.to(weight.dtype), None
+        rows, weight, rstd = ctx.saved_tensors
+        dx, dw = rms_norm_bwd(dy.reshape(rows.shape), rows, weight, rstd, weight_grad=ctx.needs_input_grad[1])
+        return dx.view(ctx.shape), None if dw is None else dw.to(weight.dtype), None
