@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 
 from cp_core import ContextParallelError
-from cp_models.triton_support import KERNEL_DTYPES, triton_available
+from cp_models.triton_support import KERNEL_DTYPES, launch_device, own_kernels_apply, triton_available
 
 TileKernels = Literal["auto", "torch", "triton"]
 TILE_KERNELS: tuple[str, ...] = ("auto", "torch", "triton")
@@ -46,9 +46,10 @@ def tile_stats_triton(
     from cp_models.loss_triton import tile_stats_kernel
 
     rows, cols = logits.shape
-    tile_stats_kernel[(rows,)](
-        logits, columns, row_max, exp_sum, label_logit, cols, logits.stride(0), BLOCK=block
-    )  # fmt: skip
+    with launch_device(logits):
+        tile_stats_kernel[(rows,)](
+            logits, columns, row_max, exp_sum, label_logit, cols, logits.stride(0), BLOCK=block
+        )  # fmt: skip
 
 
 def tile_grad_torch(
@@ -74,9 +75,10 @@ def tile_grad_triton(
 
     out = torch.empty(logits.shape, dtype=dtype, device=logits.device)
     rows, cols = logits.shape
-    tile_grad_kernel[(rows,)](
-        logits, lse, columns, minus_onehot, out, cols, logits.stride(0), out.stride(0), BLOCK=block
-    )  # fmt: skip
+    with launch_device(logits):
+        tile_grad_kernel[(rows,)](
+            logits, lse, columns, minus_onehot, out, cols, logits.stride(0), out.stride(0), BLOCK=block
+        )  # fmt: skip
     return out
 
 
@@ -87,8 +89,7 @@ def resolve_tile_kernels(kernels: str, hidden: torch.Tensor) -> str:
     if kernels not in TILE_KERNELS:
         raise ContextParallelError(f"tile_kernels={kernels!r} is not one of {TILE_KERNELS}")
     if kernels == "auto":
-        usable = hidden.is_cuda and hidden.dtype in KERNEL_DTYPES and triton_available()
-        return "triton" if usable else "torch"
+        return "triton" if own_kernels_apply(kernels, hidden) else "torch"
     if kernels == "torch":
         return "torch"
     if hidden.dtype not in KERNEL_DTYPES:
