@@ -7,9 +7,9 @@
 #                                              # loss alone
 #   bash benchmarks/gpu_speed_goals.sh first   # first step of a fresh process, cold and warm (gpu_speed.sh SHIPPED=1);
 #                                              # the GPU tests of the loss tiles, the fused SwiGLU and GatedDecay
-#   bash benchmarks/gpu_speed_goals.sh kernels # with an empty Triton cache: ours' cold first step, then ours and
-#                                              # transformers at 8k in that process; graphed norms/MLP; the GPU
-#                                              # tests of our kernels
+#   bash benchmarks/gpu_speed_goals.sh kernels # with an empty Triton cache: ours' cold first step, then ours,
+#                                              # checkpointed ours and transformers at 8k in that process; the GPU
+#                                              # tests of our kernels; the profile of ours
 #   bash benchmarks/gpu_speed_goals.sh long    # MFU at 32k (0.8B, 2B) and at 128k with checkpointing (2B)
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$(ls -d "$PWD"/packages/*/src | paste -sd:)
@@ -44,20 +44,21 @@ case "$part" in
       packages/cp-core/tests/test_core_recurrent_gpu.py::test_gated_decay_in_fla_kernel_matches_torch 2>&1 \
       | tee "$res/tests.log" | tail -6
     ;;
-  kernels)  # a fresh Triton cache: ours' first step (cold) then 8k against transformers; the GPU tests of our kernels
-    TRITON_CACHE_DIR=/tmp/triton_kernels timeout "${STEP_S:-200}" python3 benchmarks/model_step.py --out "$res/step" \
+  kernels)  # a fresh Triton cache: ours' first step (cold), then ours, checkpointed ours and transformers at 8k in that
+            # process; the GPU tests of our kernels; the profile of ours
+    export TRITON_CACHE_DIR=/tmp/triton_kernels
+    timeout "${STEP_S:-260}" python3 benchmarks/model_step.py --out "$res/step" \
       --shapes qwen3_5-0.8b --seq-lens 8192 --reps 7 --limit-s 60 --first-step-limit-s 150 \
-      --variants cp_models transformers 2>&1 | tee "$res/step.log" | grep -E "^\||built"
+      --variants cp_models "cp_models + act. ckpt" transformers 2>&1 | tee "$res/step.log" | grep -E "^\||built"
     python3 -c "import json,sys; print('first step s:', json.load(open(sys.argv[1]))['rows'][0].get('first_step_s'))" \
       "$res/step/model_step.json"
-    TRITON_CACHE_DIR=/tmp/triton_kernels timeout "${GRAPHED_S:-100}" python3 benchmarks/model_step.py \
-      --out "$res/graphed" --shapes qwen3_5-0.8b --seq-lens 8192 --reps 7 --limit-s 60 \
-      --variants "cp_models + graphed norms/MLP" 2>&1 | tee "$res/graphed.log" | grep -E "^\||built|Error"
-    TRITON_CACHE_DIR=/tmp/triton_kernels timeout "${TESTS_S:-90}" python3 -m pytest -q -p no:cacheprovider -rfEs \
+    timeout "${TESTS_S:-90}" python3 -m pytest -q -p no:cacheprovider -rfEs \
       packages/cp-models/tests/test_models_qwen35_gpu.py::test_fused_norm_kernels_match_reference \
       packages/cp-models/tests/test_models_mlp.py::test_recomputing_swiglu_on_cuda_bf16_keeps_half_and_matches \
       packages/cp-models/tests/test_models_mlp.py::test_compiled_mlp_with_the_swiglu_kernels_matches_eager \
       packages/cp-models/tests/test_models_qwen35_gpu.py::test_tiled_loss_bf16_on_cuda 2>&1 | tee "$res/tests.log" | tail -4
+    timeout "${PROFILE_S:-90}" python3 benchmarks/profile_qwen35.py --seq-len 8192 --variants ours --out "$res/profile" \
+      2>&1 | tee "$res/profile.log" | tail -16
     ;;
   long)
     timeout "${STEP_S:-300}" python3 benchmarks/model_step.py --out "$res/32k" --shapes qwen3_5-0.8b qwen3_5-2b \
