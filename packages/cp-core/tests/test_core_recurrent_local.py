@@ -447,6 +447,60 @@ def test_resolve_recurrent_backend_on_cpu():
         resolve_recurrent_backend("auto", x, "scan")
 
 
+@pytest.mark.parametrize(
+    ("gpu", "capability", "triton_version", "tilelang", "refused"),
+    [
+        ("NVIDIA H100 80GB HBM3", (9, 0), "3.6.0", False, True),
+        ("NVIDIA H200", (9, 0), "3.4.0", False, True),
+        ("NVIDIA GH200 480GB", (9, 0), "3.7.0+git5ab4c8e", False, True),  # a Hopper not named "NVIDIA H"
+        ("NVIDIA H100 80GB HBM3", (9, 0), "3.7.1", False, False),
+        ("NVIDIA H100 80GB HBM3", (9, 0), "3.8.0", False, False),
+        ("NVIDIA H100 80GB HBM3", (9, 0), "3.3.1", False, False),
+        ("NVIDIA H100 80GB HBM3", (9, 0), "3.6.0", True, False),  # fla sends the gated backward to tilelang
+        ("NVIDIA A100-SXM4-80GB", (8, 0), "3.6.0", False, False),
+        ("NVIDIA B200", (10, 0), "3.6.0", False, False),
+    ],
+)
+def test_fla_backward_problem_names_hopper_with_the_triton_fla_refuses(
+    monkeypatch, gpu, capability, triton_version, tilelang, refused
+):
+    import importlib.util
+    import sys
+    import types
+
+    from cp_core import recurrent_backends
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(recurrent_backends, "fla_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__=triton_version))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: (object() if tilelang else None) if name == "tilelang" else
+        real_find_spec(name, *a)
+    )  # fmt: skip
+    problem = recurrent_backends.fla_backward_problem(0)
+    if refused:
+        assert problem == (
+            f"Triton {triton_version} on {gpu} (Hopper): fla's gated backward is wrong with Triton >= 3.4 and < 3.7.1 "
+            "and fla refuses it; install triton>=3.7.1 (pip install -U 'triton>=3.7.1')"
+        )
+    else:
+        assert problem is None
+
+
+def test_fla_backward_problem_is_none_without_cuda_or_fla(monkeypatch):
+    from cp_core import recurrent_backends
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(recurrent_backends, "fla_available", lambda: True)
+    assert recurrent_backends.fla_backward_problem(0) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(recurrent_backends, "fla_available", lambda: False)
+    assert recurrent_backends.fla_backward_problem(0) is None
+
+
 def test_forcing_fla_on_cpu_raises_in_every_primitive():
     seq_lens = [3, 2]
     conv_x, weight = randn(5, 2, seed=0), randn(2, 3, seed=1)

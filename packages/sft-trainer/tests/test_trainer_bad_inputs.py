@@ -171,6 +171,47 @@ def test_under_torchrun_a_mistake_is_said_once(tmp_path):
     assert proc.stderr.count("train.lr=inf: must be a finite number") == 1, proc.stderr[-3000:]
 
 
+@pytest.mark.parametrize(
+    ("overrides", "refused"),
+    [
+        ([], True),  # "auto": every family's recurrent layers train through fla on CUDA
+        (["--model.recurrent_backend", "fla"], True),
+        (["--model.recurrent_backend", "mamba_ssm"], True),  # Qwen3.5's GDN has no mamba-ssm kernel: fla's
+        (["--model.recurrent_backend", "mamba_ssm", "--model.preset", "tiny-nemotron_h"], False),
+        (["--model.recurrent_backend", "torch"], False),
+    ],
+    ids=["auto", "fla", "mamba_ssm-qwen3_5", "mamba_ssm-nemotron_h", "torch"],
+)
+def test_fla_backward_refused_on_this_gpu_stops_before_launch(tmp_path, monkeypatch, overrides, refused):
+    """Where fla refuses its gated backward (a Hopper GPU with Triton >= 3.4 and < 3.7.1), a run that would train
+    through it stops before any worker starts, naming the Triton to install."""
+    import torch
+
+    import cp_core
+    from sft_trainer.cli import checked_config
+
+    problem = "Triton 3.6.0 on NVIDIA H100 80GB HBM3 (Hopper): <fla's rule>; install triton>=3.7.1"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(cp_core, "fla_backward_problem", lambda device: problem)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name in ("fla", "mamba_ssm", "causal_conv1d") else
+        real_find_spec(name, *a)
+    )  # fmt: skip
+    argv = ["--output_dir", str(tmp_path / "out"), "--parallel.backend", "gloo", *overrides]
+    if not refused:
+        assert checked_config(argv).output_dir == str(tmp_path / "out")
+        return
+    backend = overrides[1] if overrides else "auto"
+    with pytest.raises(SystemExit) as info:
+        checked_config(argv)
+    assert str(info.value.code) == (
+        f"sft-train: model.recurrent_backend={backend!r} trains through fla's kernels: {problem}, or set it to "
+        "'torch' (slow)"
+    )
+
+
 def test_mamba_ssm_backend_without_its_packages_names_them(tmp_path, monkeypatch):
     """On a GPU machine without causal-conv1d, recurrent_backend 'mamba_ssm' stops before launch naming it."""
     import torch

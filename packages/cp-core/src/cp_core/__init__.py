@@ -44,7 +44,7 @@ from cp_core.packing import (
     normalize_seq_lens,
     position_ids_from_seq_lens,
 )
-from cp_core.recurrent_backends import RecurrentBackend, resolve_recurrent_backend
+from cp_core.recurrent_backends import RecurrentBackend, fla_backward_problem, resolve_recurrent_backend
 from cp_core.sharding import (
     check_same_row_on_every_rank,
     gather_sequence,
@@ -90,6 +90,7 @@ __all__ = [
     "context_parallel_attention",
     "cu_seqlens_from_lens",
     "exchange_halo",
+    "fla_backward_problem",
     "fused_sequence_to_heads",
     "gated_delta_rule",
     "gated_delta_rule_cp",

@@ -12,6 +12,7 @@ time, which fails on machines without a GPU even when Triton is installed.
 from __future__ import annotations
 
 import importlib.util
+import re
 from functools import cache
 from typing import Literal
 
@@ -74,3 +75,37 @@ def resolve_recurrent_backend(backend: str, x: torch.Tensor, op: KernelOp = "gat
             "use recurrent_backend 'auto' or 'torch'"
         )
     return backend
+
+
+# fla refuses its gated chunk backward (GDN, and the SSD it runs as gated linear attention) on Hopper GPUs with these
+# Triton versions, whose compiler gets it wrong; with tilelang installed it sends GDN's to tilelang instead.
+FLA_HOPPER_TRITON_REFUSED = ((3, 4, 0), (3, 7, 1))  # [from, to)
+
+
+def _triton_version() -> tuple[str, tuple[int, ...]] | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    numbers = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", triton.__version__)
+    if numbers is None:
+        return None
+    return triton.__version__, tuple(int(n or 0) for n in numbers.groups())
+
+
+def fla_backward_problem(device: int = 0) -> str | None:
+    """Why fla's kernels cannot train on CUDA device ``device`` here, or None: its gated backward with Triton
+    >= 3.4 and < 3.7.1 on a Hopper GPU, which fla refuses in the first backward; known before any model loads."""
+    if not fla_available() or not torch.cuda.is_available() or importlib.util.find_spec("tilelang") is not None:
+        return None
+    found = _triton_version()
+    low, high = FLA_HOPPER_TRITON_REFUSED
+    if found is None or not low <= found[1] < high:
+        return None
+    name = torch.cuda.get_device_name(device)
+    if "NVIDIA H" not in name and torch.cuda.get_device_capability(device)[0] != 9:  # fla's test for Hopper
+        return None
+    return (
+        f"Triton {found[0]} on {name} (Hopper): fla's gated backward is wrong with Triton >= 3.4 and < 3.7.1 and fla "
+        "refuses it; install triton>=3.7.1 (pip install -U 'triton>=3.7.1')"
+    )

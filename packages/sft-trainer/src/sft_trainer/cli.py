@@ -173,11 +173,38 @@ def runtime_problems(cfg: TrainConfig) -> list[str]:
                 problems.append(
                     f"{field}={value!r} needs the {' and '.join(missing)} package(s), which are not installed; use 'auto'"
                 )
+    if cuda and (problem := _fla_backward_problem(cfg)):
+        problems.append(problem)
     if cfg.logging.wandb.enabled and importlib.util.find_spec("wandb") is None:
         problems.append(
             "logging.wandb.enabled=true but wandb is not installed: pip install sft-trainer[wandb], or set it false"
         )
     return problems
+
+
+def _fla_backward_problem(cfg: TrainConfig) -> str | None:
+    """fla's gated backward refused on this GPU and Triton (cp_core.fla_backward_problem), for a run whose recurrent
+    layers train through it: every family's under "auto" and "fla", Qwen3.5's GDN under "mamba_ssm"."""
+    from cp_core import fla_backward_problem
+
+    backend = cfg.model.recurrent_backend
+    if backend == "torch":
+        return None
+    if backend == "mamba_ssm":
+        from sft_trainer.config import ConfigError
+        from sft_trainer.config.models import model_family, resolve_model_config
+
+        try:
+            if model_family(resolve_model_config(cfg.model)) == "nemotron_h":  # its SSD and conv are mamba-ssm's
+                return None
+        except ConfigError:  # the model's config is unreadable: the workers say so
+            return None
+    import torch
+
+    problem = fla_backward_problem(int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count()))
+    if problem is None:
+        return None
+    return f"model.recurrent_backend={backend!r} trains through fla's kernels: {problem}, or set it to 'torch' (slow)"
 
 
 def warn_when_plan_does_not_fit(cfg: TrainConfig, gpu_memory_gib: float | None = None) -> bool:
