@@ -448,21 +448,22 @@ def test_resolve_recurrent_backend_on_cpu():
 
 
 @pytest.mark.parametrize(
-    ("gpu", "capability", "triton_version", "tilelang", "refused"),
+    ("gpu", "capability", "triton_version", "tilelang", "ssd", "refused"),
     [
-        ("NVIDIA H100 80GB HBM3", (9, 0), "3.6.0", False, True),
-        ("NVIDIA H200", (9, 0), "3.4.0", False, True),
-        ("NVIDIA GH200 480GB", (9, 0), "3.7.0+git5ab4c8e", False, True),  # a Hopper not named "NVIDIA H"
-        ("NVIDIA H100 80GB HBM3", (9, 0), "3.7.1", False, False),
-        ("NVIDIA H100 80GB HBM3", (9, 0), "3.8.0", False, False),
-        ("NVIDIA H100 80GB HBM3", (9, 0), "3.3.1", False, False),
-        ("NVIDIA H100 80GB HBM3", (9, 0), "3.6.0", True, False),  # fla sends the gated backward to tilelang
-        ("NVIDIA A100-SXM4-80GB", (8, 0), "3.6.0", False, False),
-        ("NVIDIA B200", (10, 0), "3.6.0", False, False),
+        ("NVIDIA H100 80GB HBM3", (9, 0), "3.6.0", False, False, True),
+        ("NVIDIA H200", (9, 0), "3.4.0", False, True, True),
+        ("NVIDIA GH200 480GB", (9, 0), "3.7.0+git5ab4c8e", False, False, True),  # a Hopper not named "NVIDIA H"
+        ("NVIDIA H100 80GB HBM3", (9, 0), "3.7.1", False, True, False),
+        ("NVIDIA H100 80GB HBM3", (9, 0), "3.8.0", False, True, False),
+        ("NVIDIA H100 80GB HBM3", (9, 0), "3.3.1", False, True, False),
+        ("NVIDIA H100 80GB HBM3", (9, 0), "3.6.0", True, False, False),  # fla sends GDN's backward to tilelang
+        ("NVIDIA H100 80GB HBM3", (9, 0), "3.6.0", True, True, True),  # but not the SSD's
+        ("NVIDIA A100-SXM4-80GB", (8, 0), "3.6.0", False, True, False),
+        ("NVIDIA B200", (10, 0), "3.6.0", False, True, False),
     ],
 )
 def test_fla_backward_problem_names_hopper_with_the_triton_fla_refuses(
-    monkeypatch, gpu, capability, triton_version, tilelang, refused
+    monkeypatch, gpu, capability, triton_version, tilelang, ssd, refused
 ):
     import importlib.util
     import sys
@@ -480,7 +481,7 @@ def test_fla_backward_problem_names_hopper_with_the_triton_fla_refuses(
         importlib.util, "find_spec", lambda name, *a: (object() if tilelang else None) if name == "tilelang" else
         real_find_spec(name, *a)
     )  # fmt: skip
-    problem = recurrent_backends.fla_backward_problem(0)
+    problem = recurrent_backends.fla_backward_problem(0, ssd=ssd)
     if refused:
         assert problem == (
             f"Triton {triton_version} on {gpu} (Hopper): fla's gated backward is wrong with Triton >= 3.4 and < 3.7.1 "

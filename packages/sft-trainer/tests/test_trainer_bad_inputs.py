@@ -172,17 +172,18 @@ def test_under_torchrun_a_mistake_is_said_once(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("overrides", "refused"),
+    ("overrides", "ssd", "refused"),
     [
-        ([], True),  # "auto": every family's recurrent layers train through fla on CUDA
-        (["--model.recurrent_backend", "fla"], True),
-        (["--model.recurrent_backend", "mamba_ssm"], True),  # Qwen3.5's GDN has no mamba-ssm kernel: fla's
-        (["--model.recurrent_backend", "mamba_ssm", "--model.preset", "tiny-nemotron_h"], False),
-        (["--model.recurrent_backend", "torch"], False),
+        ([], False, True),  # "auto": every family's recurrent layers train through fla on CUDA
+        (["--model.recurrent_backend", "fla"], False, True),
+        (["--model.preset", "tiny-nemotron_h"], True, True),
+        (["--model.recurrent_backend", "mamba_ssm"], False, True),  # Qwen3.5's GDN has no mamba-ssm kernel: fla's
+        (["--model.recurrent_backend", "mamba_ssm", "--model.preset", "tiny-nemotron_h"], None, False),
+        (["--model.recurrent_backend", "torch"], None, False),
     ],
-    ids=["auto", "fla", "mamba_ssm-qwen3_5", "mamba_ssm-nemotron_h", "torch"],
+    ids=["auto", "fla", "auto-nemotron_h", "mamba_ssm-qwen3_5", "mamba_ssm-nemotron_h", "torch"],
 )
-def test_fla_backward_refused_on_this_gpu_stops_before_launch(tmp_path, monkeypatch, overrides, refused):
+def test_fla_backward_refused_on_this_gpu_stops_before_launch(tmp_path, monkeypatch, overrides, ssd, refused):
     """Where fla refuses its gated backward (a Hopper GPU with Triton >= 3.4 and < 3.7.1), a run that would train
     through it stops before any worker starts, naming the Triton to install."""
     import torch
@@ -193,7 +194,8 @@ def test_fla_backward_refused_on_this_gpu_stops_before_launch(tmp_path, monkeypa
     problem = "Triton 3.6.0 on NVIDIA H100 80GB HBM3 (Hopper): <fla's rule>; install triton>=3.7.1"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(cp_core, "fla_backward_problem", lambda device: problem)
+    asked = []
+    monkeypatch.setattr(cp_core, "fla_backward_problem", lambda device, ssd: asked.append(ssd) or problem)
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: object() if name in ("fla", "mamba_ssm", "causal_conv1d") else
@@ -202,14 +204,16 @@ def test_fla_backward_refused_on_this_gpu_stops_before_launch(tmp_path, monkeypa
     argv = ["--output_dir", str(tmp_path / "out"), "--parallel.backend", "gloo", *overrides]
     if not refused:
         assert checked_config(argv).output_dir == str(tmp_path / "out")
+        assert asked == []
         return
-    backend = overrides[1] if overrides else "auto"
+    backend = overrides[1] if "--model.recurrent_backend" in overrides else "auto"
     with pytest.raises(SystemExit) as info:
         checked_config(argv)
     assert str(info.value.code) == (
         f"sft-train: model.recurrent_backend={backend!r} trains through fla's kernels: {problem}, or set it to "
         "'torch' (slow)"
     )
+    assert asked == [ssd]  # tilelang can take GDN's backward, not the SSD's
 
 
 def test_mamba_ssm_backend_without_its_packages_names_them(tmp_path, monkeypatch):

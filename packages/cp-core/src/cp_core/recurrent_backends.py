@@ -78,7 +78,8 @@ def resolve_recurrent_backend(backend: str, x: torch.Tensor, op: KernelOp = "gat
 
 
 # fla refuses its gated chunk backward (GDN, and the SSD it runs as gated linear attention) on Hopper GPUs with these
-# Triton versions, whose compiler gets it wrong; with tilelang installed it sends GDN's to tilelang instead.
+# Triton versions, whose compiler gets it wrong; with tilelang installed it sends GDN's to tilelang instead (not the
+# SSD's: tilelang's kernel takes no fp32 states).
 FLA_HOPPER_TRITON_REFUSED = ((3, 4, 0), (3, 7, 1))  # [from, to)
 
 
@@ -93,10 +94,13 @@ def _triton_version() -> tuple[str, tuple[int, ...]] | None:
     return triton.__version__, tuple(int(n or 0) for n in numbers.groups())
 
 
-def fla_backward_problem(device: int = 0) -> str | None:
+def fla_backward_problem(device: int = 0, *, ssd: bool = True) -> str | None:
     """Why fla's kernels cannot train on CUDA device ``device`` here, or None: its gated backward with Triton
-    >= 3.4 and < 3.7.1 on a Hopper GPU, which fla refuses in the first backward; known before any model loads."""
-    if not fla_available() or not torch.cuda.is_available() or importlib.util.find_spec("tilelang") is not None:
+    >= 3.4 and < 3.7.1 on a Hopper GPU, which fla refuses in the first backward; known before any model loads.
+    ``ssd``: whether fla's SSD (Mamba-2 layers) trains too, which tilelang cannot take over."""
+    if not fla_available() or not torch.cuda.is_available():
+        return None
+    if not ssd and importlib.util.find_spec("tilelang") is not None:
         return None
     found = _triton_version()
     low, high = FLA_HOPPER_TRITON_REFUSED

@@ -184,24 +184,25 @@ def runtime_problems(cfg: TrainConfig) -> list[str]:
 
 def _fla_backward_problem(cfg: TrainConfig) -> str | None:
     """fla's gated backward refused on this GPU and Triton (cp_core.fla_backward_problem), for a run whose recurrent
-    layers train through it: every family's under "auto" and "fla", Qwen3.5's GDN under "mamba_ssm"."""
+    layers train through it: Qwen3.5's GDN under every backend but "torch", Nemotron-H's SSD under "auto" and
+    "fla" (under "mamba_ssm" its SSD and conv are mamba-ssm's)."""
+    import torch
+
     from cp_core import fla_backward_problem
+    from sft_trainer.config import ConfigError
+    from sft_trainer.config.models import model_family, resolve_model_config
 
     backend = cfg.model.recurrent_backend
     if backend == "torch":
         return None
-    if backend == "mamba_ssm":
-        from sft_trainer.config import ConfigError
-        from sft_trainer.config.models import model_family, resolve_model_config
-
-        try:
-            if model_family(resolve_model_config(cfg.model)) == "nemotron_h":  # its SSD and conv are mamba-ssm's
-                return None
-        except ConfigError:  # the model's config is unreadable: the workers say so
-            return None
-    import torch
-
-    problem = fla_backward_problem(int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count()))
+    try:
+        family = model_family(resolve_model_config(cfg.model))
+    except ConfigError:  # the model's config is unreadable: the workers say so
+        return None
+    if family == "nemotron_h" and backend == "mamba_ssm":
+        return None
+    device = int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count())
+    problem = fla_backward_problem(device, ssd=family == "nemotron_h")
     if problem is None:
         return None
     return f"model.recurrent_backend={backend!r} trains through fla's kernels: {problem}, or set it to 'torch' (slow)"
