@@ -180,8 +180,9 @@ def test_under_torchrun_a_mistake_is_said_once(tmp_path):
         (["--model.recurrent_backend", "mamba_ssm"], False, True),  # Qwen3.5's GDN has no mamba-ssm kernel: fla's
         (["--model.recurrent_backend", "mamba_ssm", "--model.preset", "tiny-nemotron_h"], None, False),
         (["--model.recurrent_backend", "torch"], None, False),
+        (["--parallel.backend", "gloo"], None, False),  # a CPU run on a GPU machine: no fla
     ],
-    ids=["auto", "fla", "auto-nemotron_h", "mamba_ssm-qwen3_5", "mamba_ssm-nemotron_h", "torch"],
+    ids=["auto", "fla", "auto-nemotron_h", "mamba_ssm-qwen3_5", "mamba_ssm-nemotron_h", "torch", "gloo"],
 )
 def test_fla_backward_refused_on_this_gpu_stops_before_launch(tmp_path, monkeypatch, overrides, ssd, refused):
     """Where fla refuses its gated backward (a Hopper GPU with Triton >= 3.4 and < 3.7.1), a run that would train
@@ -201,7 +202,7 @@ def test_fla_backward_refused_on_this_gpu_stops_before_launch(tmp_path, monkeypa
         importlib.util, "find_spec", lambda name, *a: object() if name in ("fla", "mamba_ssm", "causal_conv1d") else
         real_find_spec(name, *a)
     )  # fmt: skip
-    argv = ["--output_dir", str(tmp_path / "out"), "--parallel.backend", "gloo", *overrides]
+    argv = ["--output_dir", str(tmp_path / "out"), "--parallel.backend", "nccl", *overrides]
     if not refused:
         assert checked_config(argv).output_dir == str(tmp_path / "out")
         assert asked == []

@@ -184,16 +184,17 @@ def runtime_problems(cfg: TrainConfig) -> list[str]:
 
 def _fla_backward_problem(cfg: TrainConfig) -> str | None:
     """fla's gated backward refused on this GPU and Triton (cp_core.fla_backward_problem), for a run whose recurrent
-    layers train through it: Qwen3.5's GDN under every backend but "torch", Nemotron-H's SSD under "auto" and
-    "fla" (under "mamba_ssm" its SSD and conv are mamba-ssm's)."""
+    layers train through it on GPUs: Qwen3.5's GDN under every backend but "torch", Nemotron-H's SSD under "auto"
+    and "fla" (under "mamba_ssm" its SSD and conv are mamba-ssm's). A gloo run trains on the CPU, without fla."""
     import torch
 
     from cp_core import fla_backward_problem
     from sft_trainer.config import ConfigError
     from sft_trainer.config.models import model_family, resolve_model_config
+    from sft_trainer.run import backend_of
 
     backend = cfg.model.recurrent_backend
-    if backend == "torch":
+    if backend == "torch" or backend_of(cfg) != "nccl":
         return None
     try:
         family = model_family(resolve_model_config(cfg.model))
