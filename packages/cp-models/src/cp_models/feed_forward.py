@@ -96,9 +96,9 @@ class _SwiGLULinear(torch.autograd.Function):
 
     Autograd on the plain expression keeps four [T, intermediate] tensors (gate, silu(gate), up, the product);
     silu(gate) and the product are recomputed here. With ``fused`` (CUDA) the product and the two input gradients
-    are one Triton kernel each (:mod:`cp_models.swiglu_triton`); otherwise the backward runs the ops autograd would (mul, silu_backward, the
-    two matmuls), so the gradients are autograd's. Either way its extra live tensors peak at three
-    [T, intermediate] buffers.
+    are one Triton kernel each (:mod:`cp_models.swiglu_triton`); otherwise the backward runs the ops autograd would
+    (mul, silu_backward, the two matmuls), so the gradients are autograd's. Either way its extra live tensors peak
+    at three [T, intermediate] buffers.
     """
 
     @staticmethod
