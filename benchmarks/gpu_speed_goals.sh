@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The speed goals' measurements (docs/performance.md), one part per device call, on a machine where Triton 3.7.1
-# and fla are staged into /tmp/site (../shared/gpu/stage-wheels.sh). Each part tars its results into
-# $OUT/<part>.tgz (a call brings back only a few files):
+# and fla are staged into /tmp/site (../shared/gpu/stage-wheels.sh, or benchmarks/gpu_stage_slim.sh's archive
+# unpacked at the start of the same call). Each part tars its results into $OUT/<part>.tgz (a call brings back only
+# a few files):
 #   bash benchmarks/gpu_speed_goals.sh step8k  # 0.8B at 8k: ours (both loss tile kernels), transformers, act. ckpt in
 #                                              # one process; with graphed norms/MLPs; the profile of ours; the
 #                                              # loss alone
