@@ -13,6 +13,7 @@ import types
 
 import pytest
 import torch
+from triton_interpreter import needs_triton_interpreter
 
 from cp_core import ContextParallelError
 from cp_models import Qwen35ForCausalLM, token_log_probs
@@ -61,7 +62,7 @@ print(json.dumps(errors))
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on CPU)")
+@needs_triton_interpreter
 def test_triton_tile_kernels_match_the_torch_passes_under_the_interpreter():
     """fp32: the per-row stats within float rounding of torch's (another summation order), softmax - onehot equal
     up to exp's last bit (and bf16 rounding of that), and the whole loss with either kernels the same forward and

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from triton_interpreter import needs_triton_interpreter
 
 from cp_models.norms import ZeroCenteredRMSNorm
 from cp_models.triton_support import own_kernels_apply
@@ -119,7 +120,7 @@ print(json.dumps(errors))
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on CPU)")
+@needs_triton_interpreter
 def test_norm_and_swiglu_kernels_match_their_references_under_the_interpreter():
     """fp32: output and every gradient within 1e-5 relative of autograd on the torch references (another
     summation order), also through the autograd Function on strided views, past one block's width and with a frozen
