@@ -438,6 +438,22 @@ def test_from_pretrained_dtype_keeps_router_fp32(tmp_path):
         assert model(random_row(config, [5], seed=1), [5]).logits.dtype == torch.bfloat16
 
 
+def test_mixed_dtype_checkpoint_loads_in_the_config_dtype(tmp_path):
+    """Without a dtype, every floating-point tensor but the router's takes transformers' "auto" dtype (the one the
+    saved config names), so a checkpoint with a norm stored in fp32 among bf16 tensors runs."""
+    config = make_config(hybrid_override_pattern="ME")
+    _our_model(config, seed=55).to(torch.bfloat16).save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    state = read_safetensors(tmp_path)
+    state["backbone.layers.0.norm.weight"] = state["backbone.layers.0.norm.weight"].float()
+    write_safetensors(state, tmp_path)
+    model = NemotronHForCausalLM.from_pretrained(tmp_path)
+    assert model.model.layers[0].norm.weight.dtype == torch.bfloat16
+    assert model.model.layers[1].mixer.gate.weight.dtype == torch.float32
+    with torch.no_grad():
+        assert model(random_row(config, [5, 3], seed=2), [5, 3]).logits.dtype == torch.bfloat16
+
+
 # --------------------------------------------------------------------------------------------------------
 # 4. Pieces: router, experts, initialization
 

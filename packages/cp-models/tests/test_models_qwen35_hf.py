@@ -80,6 +80,9 @@ CASES = {
         [12, 2],
     ),
     "moe4_lin_full": (True, dict(layer_types=[LIN, FULL]), [6, 1, 10]),
+    # hidden_act reaches the MLP (no GDN layer: its conv takes silu only)
+    "dense_all_full_gelu_tanh": (False, dict(layer_types=[FULL, FULL], hidden_act="gelu_pytorch_tanh"), [9, 2, 6]),
+    "moe4_all_full_gelu": (True, dict(layer_types=[FULL, FULL], hidden_act="gelu"), [3, 11]),
     "moe8_full_lin_lin_tied": (
         True,
         dict(layer_types=[FULL, LIN, LIN], num_experts=8, num_key_value_heads=1, tie_word_embeddings=True),
@@ -182,7 +185,11 @@ def test_parity_with_transformers(case, tmp_path):
         assert isinstance(ours.model.layers[0].mlp.experts, Qwen35Experts)
     if config.tie_word_embeddings:
         assert ours.lm_head.weight is ours.model.embed_tokens.weight
-    ids = random_row(config, seq_lens, seed=1)
+    assert_parity(hf, ours, config, random_row(config, seq_lens, seed=1), seq_lens)
+
+
+def assert_parity(hf, ours, config, ids: torch.Tensor, seq_lens) -> None:
+    """Logits per document and every parameter gradient: ours on the packed row, transformers on each document."""
     weights = torch.randn(ids.numel(), config.vocab_size, generator=torch.Generator().manual_seed(2))
 
     # ours: one packed row
@@ -200,6 +207,61 @@ def test_parity_with_transformers(case, tmp_path):
         (ref_logits * weights[part]).sum().backward()
     ref_grads = {n: p.grad for n, p in hf.named_parameters()}
     assert_grads_close(our_grads, ref_grads, GRAD_TOL, "grads")
+
+
+def test_pad_token_row_gets_no_gradient_as_in_transformers(tmp_path):
+    """transformers builds the embedding with ``padding_idx=pad_token_id``: that row gets no gradient, even where
+    the token occurs inside a document, and initializes to zero."""
+    config = make_config(False, layer_types=[LIN, FULL], pad_token_id=5)
+    hf, ours = build_pair(config, tmp_path, seed=17)
+    seq_lens = [8, 3, 9]
+    ids = random_row(config, seq_lens, seed=6)
+    ids[[0, 4, 9, 15]] = 5
+    assert_parity(hf, ours, config, ids, seq_lens)
+    assert ours.model.embed_tokens.weight.grad[5].abs().max() == 0
+    assert ours.model.embed_tokens.weight.grad[ids[1]].abs().max() > 0
+    fresh = Qwen35ForCausalLM(config)
+    assert fresh.model.embed_tokens.weight[5].abs().max() == 0 < fresh.model.embed_tokens.weight[6].abs().max()
+
+
+def test_gdn_refuses_an_activation_other_than_silu():
+    config = make_config(False, layer_types=[FULL, LIN], hidden_act="gelu")
+    with pytest.raises(ContextParallelError, match=r"hidden_act='gelu': .*silu only.*without linear_attention"):
+        Qwen35ForCausalLM(config)
+
+
+RESCALING_ROPES = {  # rope types transformers recomputes per call past a length: (rope_parameters, that length)
+    "dynamic": ({"rope_type": "dynamic", "factor": 4.0}, 12),
+    "longrope": (
+        {
+            "rope_type": "longrope",
+            "short_factor": [1.0, 1.5],
+            "long_factor": [3.0, 7.0],
+            "original_max_position_embeddings": 10,
+        },
+        10,
+    ),
+}
+
+
+@pytest.mark.parametrize("rope_type", list(RESCALING_ROPES))
+def test_rescaling_ropes_match_transformers_up_to_their_length_and_refuse_past_it(rope_type, tmp_path):
+    """Documents up to the length where transformers starts rescaling match it; a longer one raises, naming the
+    length and the fix (transformers picks the frequencies per call from its longest position, not per document)."""
+    extra, limit = RESCALING_ROPES[rope_type]
+    rope = {**BASE_ROPE, "rope_theta": 100.0, **extra}  # fast rotations: positions change the logits visibly
+    config = make_config(False, layer_types=[FULL, LIN], rope_parameters=rope, max_position_embeddings=12)
+    hf, ours = build_pair(config, tmp_path, seed=19)
+    seq_lens = [limit, 3, limit - 1]
+    assert_parity(hf, ours, config, random_row(config, seq_lens, seed=7), seq_lens)
+    long = [2, limit + 1]
+    with pytest.raises(ContextParallelError, match=rf"document of {limit + 1} tokens .* rope_type='{rope_type}'"):
+        ours(random_row(config, long, seed=8), long)
+    with torch.no_grad():  # what the refusal protects: transformers' frequencies past the length differ
+        ids = random_row(config, [3 * limit], seed=9)
+        ref = hf(input_ids=ids[None], use_cache=False).logits[0]
+        ours.model.rotary_emb.rescaled_past = None
+        assert relative_max(ours(ids, [3 * limit]).logits, ref) > 1000 * TOL
 
 
 def test_mrope_positions_match_transformers(tmp_path):
@@ -539,6 +601,50 @@ def test_unexpected_tensor_raises(tmp_path):
     write_safetensors(state, tmp_path)
     with pytest.raises(ContextParallelError, match=r"model\.layers\.7\.mlp\.up_proj\.weight"):
         Qwen35ForCausalLM.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("stored", ["both_equal", "head_only", "both_differ"])
+def test_tied_checkpoint_storing_the_head(stored, tmp_path):
+    """A tied checkpoint that stores lm_head.weight too loads as transformers loads it: equal to the embedding, or
+    alone (it is the embedding then); a head that differs contradicts the tie and is refused with the fix."""
+    config = make_config(False, layer_types=[LIN, FULL], tie_word_embeddings=True)
+    ours = _our_model(config, seed=57)
+    ours.save_pretrained(tmp_path)
+    state = read_safetensors(tmp_path)
+    embedding = state["model.embed_tokens.weight"]
+    state["lm_head.weight"] = embedding.clone() + (stored == "both_differ")
+    if stored == "head_only":
+        del state["model.embed_tokens.weight"]
+    write_safetensors(state, tmp_path)
+    if stored == "both_differ":
+        with pytest.raises(
+            ContextParallelError, match=r'stores a lm_head\.weight that differs.*"tie_word_embeddings": false'
+        ):
+            Qwen35ForCausalLM.from_pretrained(tmp_path)
+        return
+    loaded = Qwen35ForCausalLM.from_pretrained(tmp_path)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert torch.equal(loaded.model.embed_tokens.weight, embedding)
+    ids = random_row(config, [4, 6], seed=3)
+    torch.testing.assert_close(loaded(ids, [4, 6]).logits, ours(ids, [4, 6]).logits, rtol=0, atol=0)
+
+
+def test_mixed_dtype_checkpoint_loads_in_the_config_dtype(tmp_path):
+    """Without a dtype, every floating-point tensor takes transformers' "auto" dtype (the config's), so a checkpoint
+    with one tensor stored in another dtype runs; an explicit dtype wins."""
+    config = make_config(True, layer_types=[LIN, FULL])
+    ours = _our_model(config, seed=59).to(torch.bfloat16)
+    ours.save_pretrained(tmp_path)
+    state = read_safetensors(tmp_path)
+    state["model.layers.1.mlp.gate.weight"] = state["model.layers.1.mlp.gate.weight"].float()
+    write_safetensors(state, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    loaded = Qwen35ForCausalLM.from_pretrained(tmp_path)
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    ids = random_row(config, [5, 4], seed=4)
+    torch.testing.assert_close(loaded(ids, [5, 4]).logits, ours(ids, [5, 4]).logits, rtol=0, atol=0)
+    explicit = Qwen35ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert {p.dtype for p in explicit.parameters()} == {torch.float32}
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -63,6 +63,17 @@ MODEL_FILES = {
     "q6": _text_config(),  # 6 query heads, 2 KV heads
     "kv3": _text_config(num_key_value_heads=3),  # 6 query heads, 3 KV heads
     "conv8": _text_config(linear_conv_kernel_dim=8),
+    "gelu": _text_config(hidden_act="gelu"),
+    "dropout": _text_config(attention_dropout=0.1),
+    "router_loss": _text_config(
+        model_type="qwen3_5_moe_text",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        output_router_logits=True,
+        router_aux_loss_coef=0.001,
+    ),
     "vl": {
         "model_type": "qwen3_5",
         "text_config": {k: v for k, v in _text_config().items() if k != "model_type"},
@@ -274,6 +285,17 @@ INVALID = [
         "seq_len_too_short_for_conv_halo",
         ["--data.seq_len", "4", "--parallel.cp", "2"],
         ["data.seq_len=4", "parallel.cp=2", "GDN conv halo", "linear_conv_kernel_dim-1=3", "seq_len >= cp * 3 = 6"],
+    ),
+    (
+        "gdn_with_another_activation",
+        ["--model.config", "{gelu}"],
+        ["model.config=", "hidden_act='gelu'", "silu only", "hidden_act 'silu'"],
+    ),
+    ("attention_dropout", ["--model.config", "{dropout}"], ["attention_dropout=0.1", '"attention_dropout": 0.0']),
+    (
+        "router_load_balancing_loss",
+        ["--model.config", "{router_loss}"],
+        ["output_router_logits=true", "router_aux_loss_coef=0.001", '"output_router_logits": false'],
     ),
     (
         "seq_len_too_short_for_wide_conv",

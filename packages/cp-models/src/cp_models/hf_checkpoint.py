@@ -89,29 +89,77 @@ def strip_prefixes(state: Mapping[str, torch.Tensor], prefixes: Iterable[tuple[s
     return out
 
 
+def written_dtype(state: Mapping[str, torch.Tensor]) -> torch.dtype | None:
+    """The dtype most of ``state``'s floating-point elements have: what a saved config names as its ``dtype`` (what
+    transformers' ``dtype="auto"`` then loads in)."""
+    sizes: dict[torch.dtype, int] = {}
+    for tensor in state.values():
+        if tensor.is_floating_point():
+            sizes[tensor.dtype] = sizes.get(tensor.dtype, 0) + tensor.numel()
+    return max(sizes, key=sizes.get) if sizes else None
+
+
+def auto_dtype(config_dtype, state: Mapping[str, torch.Tensor]) -> torch.dtype | None:
+    """transformers' ``dtype="auto"``: the config's dtype, else the checkpoint's first floating-point tensor's."""
+    if isinstance(config_dtype, str):
+        config_dtype = getattr(torch, config_dtype, None)
+    if isinstance(config_dtype, torch.dtype):
+        return config_dtype
+    return next((t.dtype for t in state.values() if t.is_floating_point()), None)
+
+
+def _tied_head(state: dict[str, torch.Tensor], head: str, embedding: str, path) -> dict[str, torch.Tensor]:
+    """A tied checkpoint's head as transformers reads it: stored alone, it is the embedding; stored beside an equal
+    embedding, the same tensor. A head that differs contradicts the config's tie."""
+    if head not in state:
+        return state
+    if embedding not in state:
+        state[embedding] = state.pop(head)
+    elif torch.equal(state[head], state[embedding]):
+        del state[head]
+    else:
+        raise ContextParallelError(
+            f"checkpoint {path} sets tie_word_embeddings=true but stores a {head} that differs from its {embedding}: "
+            f'set "tie_word_embeddings": false in its config.json to train the two apart, or drop {head} to tie them'
+        )
+    return state
+
+
 def load_hf_checkpoint(
     model: nn.Module,
     path: str | os.PathLike,
     to_ours: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
     *,
     tied: tuple[str, str] | None = None,
-    cast: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
-) -> None:
-    """Assign the tensors of the checkpoint folder ``path`` to ``model`` (built on the meta device).
+    dtype: torch.dtype | None = None,
+    config_dtype: torch.dtype | str | None = None,
+    keep_fp32: tuple[str, ...] = (),
+) -> torch.dtype | None:
+    """Assign the tensors of the checkpoint folder ``path`` to ``model`` (built on the meta device); returns the
+    dtype its floating-point tensors took.
 
     ``to_ours`` rewrites the checkpoint's names into the model's; every tensor of ``model.state_dict()`` must be
     there and nothing else (:func:`check_checkpoint_keys`), except the tied head: ``tied`` = (head parameter,
-    embedding parameter) names a head the checkpoint omits and that is tied to the embedding after loading.
-    ``cast`` (name, tensor) -> tensor converts each tensor before it is assigned.
+    embedding parameter) names a head tied to the embedding after loading, which the checkpoint omits or stores
+    equal to the embedding. Floating-point tensors take ``dtype``, or with None transformers' ``"auto"``
+    (:func:`auto_dtype` of ``config_dtype``), as transformers loads every tensor in one dtype; names ending in
+    ``keep_fp32`` take fp32 whatever the dtype.
     """
     state = to_ours(read_safetensors(path))
     expected = set(model.state_dict().keys())
     if tied is not None:
+        state = _tied_head(state, *tied, path)
         expected.discard(tied[0])
     check_checkpoint_keys(state, expected, path)
-    if cast is not None:
-        state = {name: cast(name, tensor) for name, tensor in state.items()}
-    model.load_state_dict(state, strict=False, assign=True)
+    dtype = dtype or auto_dtype(config_dtype, state)
+
+    def cast(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.is_floating_point():
+            return tensor
+        return tensor.float() if keep_fp32 and name.endswith(keep_fp32) else tensor.to(dtype or tensor.dtype)
+
+    model.load_state_dict({name: cast(name, tensor) for name, tensor in state.items()}, strict=False, assign=True)
     if tied is not None:
         head, embedding = (name.rsplit(".", 1) for name in tied)
         setattr(model.get_submodule(head[0]), head[1], model.get_parameter(".".join(embedding)))
+    return dtype

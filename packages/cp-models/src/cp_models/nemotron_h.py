@@ -34,13 +34,20 @@ from cp_core import (
 from cp_models.activations import ReLUSquared, activation
 from cp_models.context_parallel import ContextParallelAttention
 from cp_models.feed_forward import combine_expert_outputs, expert_slot_groups, sort_by_expert, squared_relu_linear
-from cp_models.hf_checkpoint import load_hf_checkpoint, strip_prefixes, unwrapped_names, write_safetensors
+from cp_models.hf_checkpoint import (
+    load_hf_checkpoint,
+    strip_prefixes,
+    unwrapped_names,
+    write_safetensors,
+    written_dtype,
+)
 from cp_models.loss import CausalLMOutput, causal_lm_output
 from cp_models.loss_tiles import TileKernels
 from cp_models.nemotron_h_mamba import MambaCPStyle, NemotronHMamba2Mixer
 from cp_models.row_inputs import build_row_metadata, embed_row, validated_row_inputs
 
 MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
+FP32_ROUTER = (".mixer.gate.weight", ".mixer.gate.e_score_correction_bias")  # fp32 strictly in transformers
 
 
 def load_nemotron_h_config(path_or_config):
@@ -369,14 +376,16 @@ class NemotronHForCausalLM(nn.Module):
         mamba_cp_style: MambaCPStyle = "state_passing",
     ) -> NemotronHForCausalLM:
         """Load a transformers (or original ``backbone.``-prefixed) Nemotron-H checkpoint folder (single or
-        sharded safetensors). Router weights stay fp32 whatever ``dtype`` is, as in transformers."""
+        sharded safetensors) in ``dtype``, or with None in transformers' ``"auto"`` dtype (the config's, else the
+        checkpoint's). Router weights stay fp32 whatever ``dtype`` is, as in transformers."""
         config = load_nemotron_h_config(str(path))
         with torch.device("meta"):
             model = cls(config, attention_backend, recurrent_backend, mamba_cp_style)
         # Expected: the parameters and the routers' correction-bias buffers. Cast before assigning, so that the
         # routers' fp32 tensors never pass through a lower precision.
-        cast = functools.partial(_checkpoint_dtype, dtype=dtype)
-        load_hf_checkpoint(model, path, lambda state: hf_to_cp_state(state, config), cast=cast)
+        to_ours = functools.partial(hf_to_cp_state, config=config)
+        config_dtype = getattr(config, "dtype", None)
+        load_hf_checkpoint(model, path, to_ours, dtype=dtype, config_dtype=config_dtype, keep_fp32=FP32_ROUTER)
         return model
 
     def save_pretrained(self, path: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
@@ -388,17 +397,10 @@ class NemotronHForCausalLM(nn.Module):
         path.mkdir(parents=True, exist_ok=True)
         config = copy.deepcopy(self.config)  # the architectures written are the file's, not this model's config's
         config.architectures = ["NemotronHForCausalLM"]
+        state = cp_to_hf_state(unwrapped_names(self.state_dict() if state_dict is None else state_dict), config)
+        config.dtype = written_dtype(state)
         config.save_pretrained(path)
-        state = unwrapped_names(self.state_dict() if state_dict is None else state_dict)
-        write_safetensors(cp_to_hf_state(state, config), path)
-
-
-def _checkpoint_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """The dtype a loaded tensor takes: fp32 for the router (transformers keeps it fp32 strictly), ``dtype`` (when
-    given) for every other floating-point tensor."""
-    if name.endswith((".mixer.gate.weight", ".mixer.gate.e_score_correction_bias")):
-        return tensor.float()
-    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+        write_safetensors(state, path)
 
 
 def hf_to_cp_state(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:

@@ -13,6 +13,7 @@ set_context_parallel_attributes), GDN the conv halo and state passing.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -30,9 +31,16 @@ from cp_core import (
     causal_conv1d_cp,
     gated_delta_rule_cp,
 )
+from cp_models.activations import activation
 from cp_models.context_parallel import ContextParallelAttention, ContextParallelModule
 from cp_models.feed_forward import combine_expert_outputs, expert_slot_groups, sort_by_expert, swiglu_linear
-from cp_models.hf_checkpoint import load_hf_checkpoint, strip_prefixes, unwrapped_names, write_safetensors
+from cp_models.hf_checkpoint import (
+    load_hf_checkpoint,
+    strip_prefixes,
+    unwrapped_names,
+    write_safetensors,
+    written_dtype,
+)
 from cp_models.loss import CausalLMOutput, causal_lm_output
 from cp_models.loss_tiles import TileKernels
 from cp_models.norms import GatedRMSNorm, ZeroCenteredRMSNorm
@@ -41,6 +49,7 @@ from cp_models.row_inputs import build_row_metadata, embed_row, row_position_ids
 TEXT_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 VL_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")  # vision-language checkpoints: their text_config loads here
 SUPPORTED_MODEL_TYPES = (*TEXT_MODEL_TYPES, *VL_MODEL_TYPES)
+SILU = ("silu", "swish")  # the activation of the fused SwiGLU path and the only one GDN's conv takes
 
 
 def load_text_config(path_or_config):
@@ -82,6 +91,21 @@ class Qwen35Rotary(nn.Module):
         # angles of position p drift by p times that rounding (hundreds of radians at 32k tokens).
         self.inv_freq = inv_freq.float()
         self.mrope_section = list(rope.get("mrope_section", [11, 11, 10]))
+        self.rope_type = rope_type
+        self.rescaled_past = _rescaled_past(config, rope, rope_type)
+
+    def check_document_lengths(self, meta: PackedRowMetadata) -> None:
+        """Refuse a row whose longest document reaches the lengths where transformers recomputes this rope type's
+        frequencies from the call's longest position (``dynamic``: growing with it, and kept between calls;
+        ``longrope``: its long factors). That choice is per call, not per document, so no packed row reproduces
+        it; ``meta`` is the same on every rank, so every rank raises together."""
+        if self.rescaled_past is not None and meta.max_seqlen > self.rescaled_past:
+            raise ContextParallelError(
+                f"a document of {meta.max_seqlen} tokens is longer than {self.rescaled_past}, where "
+                f"rope_type={self.rope_type!r} rescales its frequencies per call in transformers (not per "
+                f"document): keep documents at most {self.rescaled_past} tokens, or use a checkpoint whose "
+                "rope_parameters have a fixed rope_type"
+            )
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids [T] (text) or [3, T] (t, h, w) -> cos, sin [T, rotary_dim]."""
@@ -96,6 +120,15 @@ class Qwen35Rotary(nn.Module):
             mixed[..., idx] = freqs[axis, ..., idx]
         emb = torch.cat([mixed, mixed], dim=-1)
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+def _rescaled_past(config, rope: dict, rope_type: str) -> int | None:
+    """The document length past which transformers recomputes ``rope_type``'s frequencies at run time, or None."""
+    if "dynamic" in rope_type:
+        return config.max_position_embeddings
+    if rope_type == "longrope":
+        return rope.get("original_max_position_embeddings") or config.max_position_embeddings
+    return None
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -160,8 +193,11 @@ class Qwen35GatedDeltaNet(ContextParallelModule):
             raise ContextParallelError(
                 f"linear_num_value_heads={self.num_v_heads} must be a multiple of linear_num_key_heads={self.num_k_heads}"
             )
-        if config.hidden_act not in ("silu", "swish"):
-            raise ContextParallelError(f"GDN conv activation must be silu, got hidden_act={config.hidden_act!r}")
+        if config.hidden_act not in SILU:
+            raise ContextParallelError(
+                f"hidden_act={config.hidden_act!r}: Qwen3.5's Gated DeltaNet conv runs silu only (as transformers' "
+                "fast path does); use a checkpoint with hidden_act 'silu', or one without linear_attention layers"
+            )
         self.recurrent_backend = recurrent_backend
         conv_dim = 2 * self.key_dim + self.value_dim
         width = config.linear_conv_kernel_dim
@@ -206,19 +242,27 @@ class Qwen35GatedDeltaNet(ContextParallelModule):
 
 
 class Qwen35MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, backend: RecurrentBackend = "auto"):
+    """``down(act(gate(x)) * up(x))``; with silu (every released Qwen3.5) the recomputing SwiGLU path."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, backend: RecurrentBackend = "auto", hidden_act: str = "silu"
+    ):
         super().__init__()
         self.backend = backend  # anything but "torch": the SwiGLU Triton kernels on CUDA
+        self.hidden_act = hidden_act
+        self.act_fn = activation(hidden_act)
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.hidden_act not in SILU:
+            return self.reference(x)
         return swiglu_linear(self.gate_proj(x), self.up_proj(x), self.down_proj, self.backend)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
-        """The plain expression, whose autograd keeps silu(gate) and the product too."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        """The plain expression, whose autograd keeps act(gate) and the product too."""
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Qwen35Router(nn.Module):
@@ -244,6 +288,7 @@ class Qwen35Experts(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.num_experts, inter = config.num_experts, config.moe_intermediate_size
+        self.act_fn = activation(config.hidden_act)
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * inter, config.hidden_size))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, inter))
 
@@ -253,14 +298,14 @@ class Qwen35Experts(nn.Module):
         offsets = counts.cumsum(0).to(torch.int32)
         h = F.grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs=offsets)
         gate, up = h.chunk(2, dim=-1)
-        h = F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
+        h = F.grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
         return combine_expert_outputs(h, order, weights, x.dtype)
 
     def _looped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         for e, token, slot in expert_slot_groups(experts, self.num_experts):
             gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
-            h = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[token, slot, None]
+            h = F.linear(self.act_fn(gate) * up, self.down_proj[e]) * weights[token, slot, None]
             out.index_add_(0, token, h.to(x.dtype))
         return out
 
@@ -274,7 +319,8 @@ class Qwen35SparseMoeBlock(nn.Module):
         super().__init__()
         self.gate = Qwen35Router(config)
         self.experts = Qwen35Experts(config)
-        self.shared_expert = Qwen35MLP(config.hidden_size, config.shared_expert_intermediate_size, backend)
+        inter = config.shared_expert_intermediate_size
+        self.shared_expert = Qwen35MLP(config.hidden_size, inter, backend, config.hidden_act)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -302,7 +348,7 @@ class Qwen35DecoderLayer(nn.Module):
         if getattr(config, "num_experts", 0):
             self.mlp = Qwen35SparseMoeBlock(config, recurrent_backend)
         else:
-            self.mlp = Qwen35MLP(config.hidden_size, config.intermediate_size, recurrent_backend)
+            self.mlp = Qwen35MLP(config.hidden_size, config.intermediate_size, recurrent_backend, config.hidden_act)
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps, recurrent_backend)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps, recurrent_backend)
 
@@ -320,7 +366,8 @@ class Qwen35TextModel(nn.Module):
         self, config, attention_backend: AttentionBackend = "auto", recurrent_backend: RecurrentBackend = "auto"
     ):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # transformers' padding_idx: the pad token's row gets no gradient
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, getattr(config, "pad_token_id", None))
         self.layers = nn.ModuleList(
             Qwen35DecoderLayer(config, i, attention_backend, recurrent_backend) for i in range(config.num_hidden_layers)
         )
@@ -328,6 +375,7 @@ class Qwen35TextModel(nn.Module):
         self.rotary_emb = Qwen35Rotary(config)
 
     def forward(self, embeds: torch.Tensor, position_ids: torch.Tensor, meta: PackedRowMetadata) -> torch.Tensor:
+        self.rotary_emb.check_document_lengths(meta)
         rotary = self.rotary_emb(position_ids, embeds.dtype)
         hidden = embeds
         for layer in self.layers:
@@ -338,12 +386,15 @@ class Qwen35TextModel(nn.Module):
 @torch.no_grad()
 def init_qwen35_weights(root: nn.Module, std: float) -> None:
     """transformers' initialization of the Qwen3.5 text modules under ``root``: normal(0, std) for projections,
-    embeddings and experts, zero biases; norms and the GDN decay parameters keep the values their modules set."""
+    embeddings and experts, zero biases and padding rows; norms and the GDN decay parameters keep the values their
+    modules set."""
     for module in root.modules():
         if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d)):
             module.weight.normal_(0.0, std)
             if getattr(module, "bias", None) is not None:
                 module.bias.zero_()
+            if getattr(module, "padding_idx", None) is not None:
+                module.weight[module.padding_idx].zero_()
         elif isinstance(module, Qwen35Experts):
             module.gate_up_proj.normal_(0.0, std)
             module.down_proj.normal_(0.0, std)
@@ -412,16 +463,18 @@ class Qwen35ForCausalLM(nn.Module):
         attention_backend: AttentionBackend = "auto",
         recurrent_backend: RecurrentBackend = "auto",
     ) -> Qwen35ForCausalLM:
-        """Load a transformers Qwen3.5 checkpoint folder (text or VL; single or sharded safetensors)."""
+        """Load a transformers Qwen3.5 checkpoint folder (text or VL; single or sharded safetensors) in ``dtype``, or
+        with None in transformers' ``"auto"`` dtype (the config's, else the checkpoint's)."""
         config = load_text_config(str(path))
         with torch.device("meta"):
             model = cls(config, attention_backend, recurrent_backend)
         tied = ("lm_head.weight", "model.embed_tokens.weight") if config.tie_word_embeddings else None
-        load_hf_checkpoint(model, path, lambda state: hf_to_cp_state(state, config), tied=tied)
+        to_ours = functools.partial(hf_to_cp_state, config=config)
+        dtype = load_hf_checkpoint(
+            model, path, to_ours, tied=tied, dtype=dtype, config_dtype=getattr(config, "dtype", None)
+        )
         model.model.rotary_emb = Qwen35Rotary(config)  # buffers were on the meta device
-        if dtype is not None:
-            model.to(dtype)
-        return model
+        return model.to(dtype)
 
     def save_pretrained(self, path: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """Write a checkpoint folder that transformers' Qwen3_5(Moe)ForCausalLM loads.
@@ -432,9 +485,10 @@ class Qwen35ForCausalLM(nn.Module):
         path.mkdir(parents=True, exist_ok=True)
         config = copy.deepcopy(self.config)  # the architectures written are the file's, not this model's config's
         config.architectures = ["Qwen3_5MoeForCausalLM" if getattr(config, "num_experts", 0) else "Qwen3_5ForCausalLM"]
+        state = cp_to_hf_state(unwrapped_names(self.state_dict() if state_dict is None else state_dict), config)
+        config.dtype = written_dtype(state)
         config.save_pretrained(path)
-        state = unwrapped_names(self.state_dict() if state_dict is None else state_dict)
-        write_safetensors(cp_to_hf_state(state, config), path)
+        write_safetensors(state, path)
 
 
 def hf_to_cp_state(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:

@@ -27,6 +27,7 @@ FSDP group reduces the same set of gradients and nothing waits on a rank that sk
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
@@ -44,7 +45,13 @@ from cp_core import (
     check_same_row_on_every_rank,
     gather_variable,
 )
-from cp_models.hf_checkpoint import load_hf_checkpoint, strip_prefixes, unwrapped_names, write_safetensors
+from cp_models.hf_checkpoint import (
+    load_hf_checkpoint,
+    strip_prefixes,
+    unwrapped_names,
+    write_safetensors,
+    written_dtype,
+)
 from cp_models.loss import CausalLMOutput, causal_lm_output
 from cp_models.loss_tiles import TileKernels
 from cp_models.qwen3_5 import (
@@ -306,7 +313,8 @@ class Qwen35VLForConditionalGeneration(nn.Module):
         vision_cp: VisionCP = "shard",
         vision_attention: str = "sdpa",
     ) -> Qwen35VLForConditionalGeneration:
-        """Load a transformers Qwen3.5-VL checkpoint folder (dense or MoE; single or sharded safetensors)."""
+        """Load a transformers Qwen3.5-VL checkpoint folder (dense or MoE; single or sharded safetensors) in
+        ``dtype``, or with None in transformers' ``"auto"`` dtype (the config's, else the checkpoint's)."""
         config = load_vl_config(str(path))
         with torch.device("meta"):
             model = cls(config, attention_backend, recurrent_backend, vision_cp, vision_attention)
@@ -315,11 +323,11 @@ class Qwen35VLForConditionalGeneration(nn.Module):
         model.model.visual = build_vision_tower(model.config)
         tied = ("lm_head.weight", "model.language_model.embed_tokens.weight")
         tied = tied if model.config.tie_word_embeddings else None
-        load_hf_checkpoint(model, path, lambda state: vl_hf_to_cp_state(state, model.config), tied=tied)
+        to_ours = functools.partial(vl_hf_to_cp_state, config=model.config)
+        config_dtype = getattr(model.config, "dtype", None)
+        dtype = load_hf_checkpoint(model, path, to_ours, tied=tied, dtype=dtype, config_dtype=config_dtype)
         model.model.language_model.rotary_emb = Qwen35Rotary(load_text_config(model.config))  # was on meta
-        if dtype is not None:
-            model.to(dtype)
-        return model
+        return model.to(dtype)
 
     def save_pretrained(self, path: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """Write a checkpoint folder that transformers' Qwen3_5(Moe)ForConditionalGeneration loads.
@@ -331,9 +339,10 @@ class Qwen35VLForConditionalGeneration(nn.Module):
         config = copy.deepcopy(self.config)
         moe = bool(getattr(config.text_config, "num_experts", 0))
         config.architectures = ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"]
+        state = vl_cp_to_hf_state(unwrapped_names(self.state_dict() if state_dict is None else state_dict), config)
+        config.dtype = config.text_config.dtype = written_dtype(state)
         config.save_pretrained(path)
-        state = unwrapped_names(self.state_dict() if state_dict is None else state_dict)
-        write_safetensors(vl_cp_to_hf_state(state, config), path)
+        write_safetensors(state, path)
 
 
 _TEXT, _VISUAL = "model.language_model.", "model.visual."

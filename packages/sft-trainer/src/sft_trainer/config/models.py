@@ -105,6 +105,26 @@ def resolve_model_config(model: ModelConfig, vocab_size: int | None = None, toke
         raise ConfigError(f"{source}: transformers rejects {file}: {exc}") from exc
 
 
+def _training_term_problems(text, source: str) -> list[str]:
+    """What transformers' training of this config adds that cp_models' does not (attention dropout, the routers'
+    load-balancing loss), one line each with the config edit that leaves it out: never a silently other objective."""
+    problems = []
+    dropout = getattr(text, "attention_dropout", 0.0) or 0.0
+    if dropout > 0:
+        problems.append(
+            f"{source}: attention_dropout={dropout}: cp_models' attention has no dropout; set "
+            '"attention_dropout": 0.0 in its config.json to train without it'
+        )
+    coefficient = getattr(text, "router_aux_loss_coef", 0.0) or 0.0
+    if getattr(text, "output_router_logits", False) and coefficient > 0:
+        problems.append(
+            f"{source}: output_router_logits=true adds transformers' router load-balancing loss "
+            f"(router_aux_loss_coef={coefficient}) to the loss, which sft-train does not; set "
+            '"output_router_logits": false in its config.json to train without it'
+        )
+    return problems
+
+
 def _check_model(cfg: TrainConfig) -> list[str]:
     from cp_core import ContextParallelError, resolve_attention_cp_style
 
@@ -169,6 +189,12 @@ def _check_model(cfg: TrainConfig) -> list[str]:
             problems.append(
                 f"{source}: linear_num_value_heads={v_heads} must be a multiple of linear_num_key_heads={k_heads}"
             )
+    if family == "qwen3_5" and "linear_attention" in layers and text.hidden_act not in ("silu", "swish"):
+        problems.append(
+            f"{source}: hidden_act={text.hidden_act!r}: Qwen3.5's Gated DeltaNet conv runs silu only (as "
+            "transformers' fast path does); use a checkpoint with hidden_act 'silu'"
+        )
+    problems += _training_term_problems(text, source)
     if family == "nemotron_h" and "linear_attention" in layers and style == "a2a":
         from cp_core.head_parallel import check_head_parallel
 
