@@ -111,6 +111,15 @@ def _worker_case(tmp_path, case: str) -> tuple[list[str], str]:
     if case == "template_escapes_the_sandbox":
         tok = _tokenizer_with_template(tmp_path / "tok", "{{ ''.__class__.__mro__[1].__subclasses__() }}")
         return ["--data.tokenizer", str(tok)], "its chat template fails: SecurityError: access to attribute"
+    if case == "template_code_fails":  # an error in the template's own code, not its raise_exception
+        tok = _tokenizer_with_template(tmp_path / "tok", "{{ messages[0]['content'] + 1 }}")
+        return ["--data.tokenizer", str(tok)], "its chat template fails: TypeError: can only concatenate str"
+    if case == "template_divides_by_zero":
+        tok = _tokenizer_with_template(tmp_path / "tok", "{{ messages | length // 0 }}")
+        return ["--data.tokenizer", str(tok)], "its chat template fails: ZeroDivisionError"
+    if case == "template_range_over_the_sandbox_limit":
+        tok = _tokenizer_with_template(tmp_path / "tok", "{% for i in range(10**9) %}{% endfor %}")
+        return ["--data.tokenizer", str(tok)], "its chat template fails: OverflowError: Range too big"
     if case == "tokenizer_json_corrupt":  # its files are there (the launcher's check passes); they do not parse
         tok = shutil.copytree(SHIPPED_TOKENIZER, tmp_path / "tok")
         (tok / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE", "vocab": \n[1, 2')
@@ -126,6 +135,9 @@ WORKER_CASES = [
     "shapes_disagree_with_config",
     "template_raises",
     "template_escapes_the_sandbox",
+    "template_code_fails",
+    "template_divides_by_zero",
+    "template_range_over_the_sandbox_limit",
     "tokenizer_json_corrupt",
     "no_loss_token",
 ]

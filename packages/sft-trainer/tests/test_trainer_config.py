@@ -503,6 +503,10 @@ def test_missing_config_file_lists_shipped_ones(tmp_path: Path):
     bad.write_text("[train\nsteps = 3")
     with pytest.raises(ConfigError, match="invalid TOML"):
         load_config(str(bad), [])
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe[train]\n")
+    with pytest.raises(ConfigError, match=r"binary\.toml: not UTF-8 text \(invalid start byte at byte 0\)"):
+        load_config(str(binary), [])
 
 
 def test_parallel_resolution():

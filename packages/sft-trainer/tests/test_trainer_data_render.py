@@ -18,7 +18,7 @@ from sft_trainer.data import (
     tiny_vl_processor_dir,
     tokenize_conversation,
 )
-from sft_trainer.data.render import ChatRenderer
+from sft_trainer.data.render import ChatRenderer, ChatTemplateError
 
 IMAGES = tiny_vl_chat_path().parent
 
@@ -206,8 +206,9 @@ def test_the_template_still_runs_in_the_sandbox(text_tokenizer):
         renderer = ChatRenderer(tokenizer)
         renderer._unchecked = False  # the direct path alone
         assert renderer.direct
-        with pytest.raises(jinja2.exceptions.SecurityError):
+        with pytest.raises(ChatTemplateError, match="SecurityError") as info:
             renderer.render(renderer.prepare(messages), False)
+        assert isinstance(info.value.__cause__, jinja2.exceptions.SecurityError)
 
 
 def test_no_template_is_reported_as_before(text_tokenizer):

@@ -163,7 +163,7 @@ def _wait_for_every_rank(timeout_s: float) -> None:
 def worker(cfg) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from sft_trainer.data import DataError, ReplicaRows, build_training_rows
+    from sft_trainer.data import ChatTemplateError, DataError, ReplicaRows, build_training_rows
     from sft_trainer.lora import dropout_seed
     from sft_trainer.tokenizer_fit import load_tokenizer
 
@@ -195,11 +195,8 @@ def worker(cfg) -> dict[str, Any]:
             rows, data_stats = build_training_rows(cfg, tokenizer, image_processor=image_processor)
         except DataError as exc:
             _stop(rank, f"data.path={str(cfg.data_path)!r}: {exc}")
-        except Exception as exc:
-            # jinja2's TemplateError: the chat template fails to render, or its sandbox refuses what it does
-            if type(exc).__module__.startswith("jinja2"):
-                _stop(rank, f"data.tokenizer={str(cfg.tokenizer_path)!r}: its chat template fails: {one_line(exc)}")
-            raise
+        except ChatTemplateError as exc:
+            _stop(rank, f"data.tokenizer={str(cfg.tokenizer_path)!r}: its chat template fails: {exc}")
         if data_stats.loss_tokens == 0:
             _stop(
                 rank,

@@ -92,6 +92,7 @@ _EXPORTS = {
         ("PackedDataset", "ReplicaRows", "build_training_rows", "rows_for_rank", "store_options"),
         "sft_trainer.data.dataset",
     ),
+    "ChatTemplateError": "sft_trainer.data.render",
     **dict.fromkeys(
         ("VisionTokens", "conversation_images", "load_image", "load_image_processor", "load_processor"),
         "sft_trainer.data.images",

@@ -60,6 +60,11 @@ def _apply_parameters(tokenizer_class: type) -> frozenset[str]:
     return frozenset(inspect.signature(tokenizer_class.apply_chat_template).parameters) - _HANDLED
 
 
+class ChatTemplateError(Exception):
+    """The chat template failed while rendering: its own ``raise_exception``, a refusal of its sandbox, or an error
+    in its code (a type error, a division by zero). A ValueError stays a ValueError: the row's data is at fault."""
+
+
 class ChatRenderer:
     """``tokenizer``'s chat template with ``chat_template_kwargs``, for many conversations.
 
@@ -130,6 +135,15 @@ class ChatRenderer:
         return self._alias(self._plain(self._normalize(messages)))
 
     def render(self, prepared: list[Any], generation_prompt: bool) -> str:
+        try:
+            return self._render(prepared, generation_prompt)
+        except (ValueError, ChatTemplateError):
+            raise
+        except Exception as exc:
+            text = " ".join(f"{type(exc).__name__}: {exc}".split())
+            raise ChatTemplateError(text[:600]) from exc
+
+    def _render(self, prepared: list[Any], generation_prompt: bool) -> str:
         if self._template is not None and prepared:  # apply_chat_template refuses an empty list: let it say so
             text = self._template.render(messages=prepared, add_generation_prompt=generation_prompt, **self._variables)
             if self._unchecked:
