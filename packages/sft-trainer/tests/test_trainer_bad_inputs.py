@@ -120,6 +120,14 @@ def _worker_case(tmp_path, case: str) -> tuple[list[str], str]:
     if case == "template_range_over_the_sandbox_limit":
         tok = _tokenizer_with_template(tmp_path / "tok", "{% for i in range(10**9) %}{% endfor %}")
         return ["--data.tokenizer", str(tok)], "its chat template fails: OverflowError: Range too big"
+    if case == "resume_of_another_model":  # passes the launcher's checks (layout, steps); its tensors differ
+        from test_trainer_outputs import fake_checkpoint
+
+        ckpt = fake_checkpoint(tmp_path / "ckpt", step=1, ranks=1, train_steps=2, grad_accum=2)
+        return [
+            "--checkpoint.resume",
+            str(ckpt),
+        ], "does not load into this run (RuntimeError: Missing key in checkpoint state_dict: model."
     if case == "tokenizer_json_corrupt":  # its files are there (the launcher's check passes); they do not parse
         tok = shutil.copytree(SHIPPED_TOKENIZER, tmp_path / "tok")
         (tok / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE", "vocab": \n[1, 2')
@@ -140,6 +148,7 @@ WORKER_CASES = [
     "template_range_over_the_sandbox_limit",
     "tokenizer_json_corrupt",
     "no_loss_token",
+    "resume_of_another_model",
 ]
 
 
@@ -171,6 +180,25 @@ def test_worker_mistakes_end_the_process_with_one_clear_line(tmp_path, case):
     assert fragment in line, line
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
     print(f"{case}: {seconds:.1f} s")
+
+
+@pytest.mark.parametrize(
+    ("template", "fragment"),
+    [
+        ("{{ messages[0]['content'] + 1 }}", "TypeError: can only concatenate str"),
+        ("{% for m in messages %}{{ m }", "TemplateSyntaxError"),
+        ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "SecurityError"),
+    ],
+    ids=["code_fails", "malformed", "sandbox"],
+)
+def test_inspect_data_says_a_failing_template_in_one_line(tmp_path, monkeypatch, template, fragment):
+    monkeypatch.setenv("SFT_TRAINER_CACHE", str(tmp_path / "cache"))
+    tok = _tokenizer_with_template(tmp_path / "tok", template)
+    with pytest.raises(SystemExit) as info:
+        main(["inspect-data", "--data.tokenizer", str(tok), "--data.seq_len", "64"])
+    message = str(info.value.code)
+    assert message.startswith(f"sft-train inspect-data: data.tokenizer={str(tok)!r}: its chat template fails: ")
+    assert fragment in message and "\n" not in message
 
 
 def test_under_torchrun_a_mistake_is_said_once(tmp_path):

@@ -12,7 +12,7 @@ import torch
 from sft_trainer.checkpoint import check_resume, resume_checkpoint, rng_state, write_extra_state
 from sft_trainer.cli import main
 from sft_trainer.config import load_config, tiny_qwen35_config
-from sft_trainer.run_folder import set_aside_previous_run
+from sft_trainer.run_folder import output_problems, set_aside_previous_run
 
 
 def fake_checkpoint(folder: Path, step: int, ranks: int, train_steps: int = 40, grad_accum: int = 2) -> Path:
@@ -58,9 +58,53 @@ def test_resume_checks_name_the_step_the_layout_and_a_foreign_folder(tmp_path):
     assert check_resume(cfg, world=2) == [
         f"checkpoint.resume: {other} is not an sft-train checkpoint (no extra-rank0.json in it)"
     ]
+    # a latest file that is not text: one line
+    (tmp_path / "out" / "checkpoints" / "latest").write_bytes(b"\xff\xfe")
+    cfg = load_config(None, base)
+    assert check_resume(cfg, world=2) == [
+        f"checkpoint.resume: {tmp_path / 'out' / 'checkpoints' / 'latest'}: not readable as the name of a step folder "
+        "(UnicodeDecodeError); write the step-NNNNNN folder to resume into it, or name that folder in "
+        "checkpoint.resume"
+    ]
     # true with no checkpoint yet: a fresh start, nothing to check
     cfg = load_config(None, ["--output_dir", str(tmp_path / "empty"), "--checkpoint.resume", "true"])
     assert resume_checkpoint(cfg) is None and check_resume(cfg, world=2) == []
+
+
+def test_resume_refuses_optimizer_settings_the_saved_state_would_override(tmp_path):
+    """AdamW's param groups come back as saved: a resume that sets another lr, betas or weight decay is refused
+    (from the recorded settings, or for older checkpoints the schedule's base lr), not silently ignored."""
+    ckpt = fake_checkpoint(tmp_path / "out" / "checkpoints", step=4, ranks=1)
+    base = ["--output_dir", str(tmp_path / "out"), "--checkpoint.resume", "true", "--parallel.cp", "1"]
+    train = load_config(None, base).train
+    recorded = {"lr": train.lr, "betas": list(train.betas), "weight_decay": train.weight_decay}
+    extra = json.loads((ckpt / "extra-rank0.json").read_text())
+    (ckpt / "extra-rank0.json").write_text(json.dumps({**extra, "optimizer": recorded}))
+    assert check_resume(load_config(None, base), world=1) == []
+    changed = load_config(None, [*base, "--train.lr", "1e-4", "--train.weight_decay", "0.5"])
+    assert check_resume(changed, world=1) == [
+        f"checkpoint.resume: {ckpt} was trained with train.lr={train.lr}, train.weight_decay={train.weight_decay} "
+        "and this run sets train.lr=0.0001, train.weight_decay=0.5, which the optimizer's saved state would "
+        f"override; resume with train.lr={train.lr}, train.weight_decay={train.weight_decay}, or start a new run "
+        "from its HF export (model.path)"
+    ]
+    # a checkpoint without the record: its schedule's base lr
+    (ckpt / "extra-rank0.json").write_text(json.dumps({**extra, "scheduler": {"base_lrs": [train.lr]}}))
+    assert len(check_resume(changed, world=1)) == 1 and "train.lr=0.0001" in check_resume(changed, world=1)[0]
+    assert check_resume(load_config(None, [*base, "--train.weight_decay", "0.5"]), world=1) == []
+
+
+def test_an_export_over_the_model_it_trains_from_is_refused(tmp_path):
+    out = tmp_path / "out"
+    (out / "hf").mkdir(parents=True)
+    cfg = load_config(None, ["--output_dir", str(out)])  # then model.path as a continued run would name it
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(out / "hf"), "preset": None})})
+    assert output_problems(cfg) == [
+        f"model.path={str(out / 'hf')!r} is where this run exports its weights ({out / 'hf'}): the export would "
+        "overwrite the model it trains from; set another output_dir, or copy the model elsewhere first"
+    ]
+    no_export = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"export_hf": False})})
+    assert output_problems(no_export) == []
 
 
 def test_a_fresh_run_sets_an_earlier_run_aside(tmp_path, capsys):

@@ -170,7 +170,12 @@ def test_report_of_a_missing_or_malformed_run_says_so_in_one_line(tmp_path):
     with pytest.raises(SystemExit) as malformed:
         report_main([str(tmp_path / "bad")])
     assert f"{tmp_path / 'bad' / 'metrics.jsonl'}:2: not a JSON object" in str(malformed.value.code)
-    for exc in (missing, no_metrics, malformed):
+    (tmp_path / "binary").mkdir()
+    (tmp_path / "binary" / "metrics.jsonl").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(SystemExit) as binary:
+        report_main([str(tmp_path / "binary")])
+    assert "metrics.jsonl: not UTF-8 text (invalid start byte at byte 0), not a metrics.jsonl" in str(binary.value.code)
+    for exc in (missing, no_metrics, malformed, binary):
         assert "\n" not in str(exc.value.code)
     proc = subprocess.run(
         [sys.executable, "-c", "from sft_trainer.cli import main; main()", "report", str(tmp_path / "nope")],

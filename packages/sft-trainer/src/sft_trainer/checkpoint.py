@@ -249,7 +249,15 @@ def resume_checkpoint(cfg) -> Path | None:
     if isinstance(resume, str) and resume not in ("true", "latest"):
         return Path(resume)
     latest = cfg.checkpoint_dir / "latest"
-    return cfg.checkpoint_dir / latest.read_text().strip() if latest.exists() else None
+    if not latest.exists():
+        return None
+    try:
+        return cfg.checkpoint_dir / latest.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(
+            f"{latest}: not readable as the name of a step folder ({type(exc).__name__}); write the step-NNNNNN "
+            "folder to resume into it, or name that folder in checkpoint.resume"
+        ) from None
 
 
 def check_resume(cfg, world: int) -> list[str]:
@@ -257,7 +265,10 @@ def check_resume(cfg, world: int) -> list[str]:
     be an sft-train checkpoint with every rank's state readable as data, written by as many ranks as this run has
     (each holds its rank's random state), with the same ``train.steps`` and ``grad_accum`` (the LR schedule and
     the data order), and DCP metadata that reads through the allow-list."""
-    path = resume_checkpoint(cfg)
+    try:
+        path = resume_checkpoint(cfg)
+    except CheckpointError as exc:
+        return [f"checkpoint.resume: {exc}"]
     if path is None:
         return []
     if not path.is_dir():
@@ -308,9 +319,29 @@ def check_resume(cfg, world: int) -> list[str]:
             f"checkpoint.resume: {path} was trained with train.grad_accum={state['grad_accum']} and this run sets "
             f"{train.grad_accum}, which would change the data order; resume with train.grad_accum={state['grad_accum']}"
         )
+    problems += _optimizer_changes(path, state, train)
     if state["step"] > train.steps:
         problems.append(f"checkpoint.resume: {path} is at step {state['step']}, past train.steps={train.steps}")
     return problems
+
+
+def _optimizer_changes(path: Path, state: dict[str, Any], train) -> list[str]:
+    """The optimizer settings this run changes against the checkpoint, which AdamW's saved state would silently
+    override on resume (its param groups come back as saved): the recorded ones, else the schedule's base lr."""
+    recorded = state.get("optimizer")
+    if not isinstance(recorded, dict):
+        base_lrs = state["scheduler"].get("base_lrs")
+        recorded = {"lr": base_lrs[0]} if isinstance(base_lrs, list) and base_lrs else {}
+    ours = {"lr": train.lr, "betas": list(train.betas), "weight_decay": train.weight_decay}
+    changed = [key for key in ("lr", "betas", "weight_decay") if key in recorded and recorded[key] != ours[key]]
+    if not changed:
+        return []
+    was = ", ".join(f"train.{key}={recorded[key]}" for key in changed)
+    now = ", ".join(f"train.{key}={ours[key]}" for key in changed)
+    return [
+        f"checkpoint.resume: {path} was trained with {was} and this run sets {now}, which the optimizer's saved "
+        f"state would override; resume with {was}, or start a new run from its HF export (model.path)"
+    ]
 
 
 def data_change_problem(cfg, fingerprint: str) -> str | None:
@@ -353,16 +384,30 @@ def maybe_resume(cfg, model, optimizer, scheduler) -> int:
                 f"[sft-train] checkpoint.resume: no checkpoint in {cfg.checkpoint_dir} yet; starting fresh", flush=True
             )
         return 0
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
-    dcp_load(state, path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    from sft_trainer.watchdog import is_collective_timeout
+
     rank = dist.get_rank()
-    extra = read_extra_state(path, rank)
-    scheduler.load_state_dict(extra["scheduler"])
-    set_rng_state(read_rng_state(path, rank))
+    try:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp_load(state, path)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        extra = read_extra_state(path, rank)
+        scheduler.load_state_dict(extra["scheduler"])
+        set_rng_state(read_rng_state(path, rank))
+    except (Exception, CheckpointException) as exc:  # another model or LoRA setting than wrote it, or altered files
+        if is_collective_timeout(exc):
+            raise
+        if isinstance(exc, CheckpointException) and exc.failures:  # DCP's: each rank's error with its traceback
+            exc = next(iter(exc.failures.values()))[0]
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:400]
+        raise CheckpointError(
+            f"checkpoint.resume: {path} does not load into this run ({reason}); resume with the model and "
+            "train.lora settings that wrote it, or start fresh (checkpoint.resume = false)"
+        ) from None
     if rank == 0:
         print(f"[sft-train] resumed from {path} at step {extra['step']}", flush=True)
     return int(extra["step"])

@@ -303,7 +303,7 @@ def _json_default(value: Any) -> Any:
 def inspect_data_main(argv: Sequence[str]) -> None:
     """``sft-train inspect-data``: see :data:`INSPECT_USAGE`."""
     from sft_trainer.config import ConfigError, load_config
-    from sft_trainer.data import DataError
+    from sft_trainer.data import ChatTemplateError, DataError
     from sft_trainer.inspect_data import inspect
 
     parser = argparse.ArgumentParser(prog="sft-train inspect-data", usage=INSPECT_USAGE, add_help=True)
@@ -322,6 +322,10 @@ def inspect_data_main(argv: Sequence[str]) -> None:
         inspect(cfg, options.rows, color)
     except DataError as exc:
         raise SystemExit(f"sft-train inspect-data: data.path={str(cfg.data_path)!r}: {exc}") from None
+    except ChatTemplateError as exc:
+        raise SystemExit(
+            f"sft-train inspect-data: data.tokenizer={str(cfg.tokenizer_path)!r}: its chat template fails: {exc}"
+        ) from None
 
 
 def report_main(argv: Sequence[str] | None = None) -> None:

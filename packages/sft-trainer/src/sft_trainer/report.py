@@ -28,8 +28,12 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl, one per step; ReportError naming the file and line of a malformed one."""
     if not path.is_file():
         raise ReportError(f"{path}: no such file (sft-train writes it into the run's output_dir)")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ReportError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}), not a metrics.jsonl") from None
     records = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:

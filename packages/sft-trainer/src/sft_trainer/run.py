@@ -19,7 +19,13 @@ import torch.distributed as dist
 
 from cp_core import ContextParallelError, CPTopology
 from cp_core.fla_tuning import TUNING_DIR_ENV, fla_version, tuning_folder, use_fla_tuning, write_fla_tuning
-from sft_trainer.checkpoint import data_change_problem, maybe_resume, resume_checkpoint, save_checkpoint
+from sft_trainer.checkpoint import (
+    CheckpointError,
+    data_change_problem,
+    maybe_resume,
+    resume_checkpoint,
+    save_checkpoint,
+)
 from sft_trainer.job_failure import announce_store, report_exception, say_once
 from sft_trainer.model import ModelLoadError, build_model, one_line
 from sft_trainer.progress import Progress
@@ -229,7 +235,11 @@ def worker(cfg) -> dict[str, Any]:
             _stop(rank, f"data.path={str(cfg.data_path)!r}: {exc}")
         out_dir = Path(cfg.output_dir)
         ckpt_dir = cfg.checkpoint_dir
-        start_step = maybe_resume(cfg, model, optimizer, scheduler)
+        try:
+            start_step = maybe_resume(cfg, model, optimizer, scheduler)
+        except CheckpointError as exc:  # not always every rank alike (one rank's altered file): the first says it
+            say_once(f"sft-train: {exc}")
+            raise SystemExit(1) from None
         metrics = MetricsWriter(cfg.metrics_path if rank == 0 else None, fresh=start_step == 0, resumed_at=start_step)
         wandb_run = start_wandb(cfg) if rank == 0 else None
         metrics.wandb_run = wandb_run
@@ -255,6 +265,11 @@ def worker(cfg) -> dict[str, Any]:
                 "data_position": done * per_step,
                 "data_fingerprint": rows.fingerprint,
                 "world_size": dp * cp,
+                "optimizer": {
+                    "lr": cfg.train.lr,
+                    "betas": list(cfg.train.betas),
+                    "weight_decay": cfg.train.weight_decay,
+                },
             }
 
         nonfinite = 0  # consecutive skipped steps

@@ -67,6 +67,12 @@ def output_problems(cfg) -> list[str]:
         problem = _folder_problem("checkpoint.dir", cfg.checkpoint.dir, cfg.checkpoint_dir)
         if problem:
             problems.append(problem)
+    export = Path(cfg.output_dir) / "hf"
+    if cfg.checkpoint.export_hf and cfg.model.path and _same_folder(Path(cfg.model.path), export):
+        problems.append(
+            f"model.path={cfg.model.path!r} is where this run exports its weights ({export}): the export would "
+            "overwrite the model it trains from; set another output_dir, or copy the model elsewhere first"
+        )
     if not cfg.logging.metrics_file:
         return problems
     metrics = cfg.metrics_path
@@ -80,6 +86,13 @@ def output_problems(cfg) -> list[str]:
         if problem:
             problems.append(problem)
     return problems
+
+
+def _same_folder(a: Path, b: Path) -> bool:
+    try:
+        return a.exists() and b.exists() and a.resolve() == b.resolve()
+    except OSError:
+        return False
 
 
 def _append_refused(path: Path) -> str | None:
