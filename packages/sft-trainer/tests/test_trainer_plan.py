@@ -738,7 +738,10 @@ def test_nemotron_a2a_plan_names_the_replicated_groups(capsys):
             ["--parallel.cp", "4", "--data.seq_len", "8"],
             ["data.seq_len=8 is too short for parallel.cp=4", "seq_len >= cp * 3 = 12"],
         ),
-        (["--nvlink-gbps", "fast"], ["--nvlink-gbps takes a positive number, got 'fast'"]),
+        (["--nvlink-gbps", "fast"], ["--nvlink-gbps takes a positive finite number, got 'fast'"]),
+        (["--gpu-memory-gib", "nan"], ["--gpu-memory-gib takes a positive finite number, got 'nan'"]),
+        (["--gpu-memory-gib=inf"], ["--gpu-memory-gib takes a positive finite number, got 'inf'"]),
+        (["--nvlink-gbps", "0"], ["--nvlink-gbps takes a positive finite number, got '0'"]),
     ],
 )
 def test_invalid_configs_exit_with_the_reason(capsys, overrides, parts):

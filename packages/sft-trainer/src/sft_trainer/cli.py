@@ -277,10 +277,10 @@ def _split_plan_options(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]
                 i += 1
             try:
                 value = _PLAN_OPTIONS[name](raw)
-                if value <= 0:
+                if not (0 < value < math.inf):  # nan fails both comparisons
                     raise ValueError
             except (TypeError, ValueError):
-                raise SystemExit(f"sft-train plan: {name} takes a positive number, got {raw!r}") from None
+                raise SystemExit(f"sft-train plan: {name} takes a positive finite number, got {raw!r}") from None
             options[name[2:].replace("-", "_")] = value
         else:
             rest.append(token)
