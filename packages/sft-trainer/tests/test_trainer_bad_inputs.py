@@ -275,3 +275,17 @@ def test_mamba_ssm_backend_without_its_packages_names_them(tmp_path, monkeypatch
     assert problems == [
         "model.recurrent_backend='mamba_ssm' needs the causal_conv1d package(s), which are not installed; use 'auto'"
     ]
+
+
+def test_ctrl_c_before_any_worker_ends_with_one_line(monkeypatch, capsys):
+    """Ctrl-C while the launcher checks the config and imports (before any worker): exit 130, one line."""
+    import sft_trainer.cli as cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "start", interrupted)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--train.steps", "2"])
+    assert info.value.code == 130
+    assert capsys.readouterr().err == "sft-train: interrupted\n"

@@ -56,6 +56,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     (torchrun stops every worker once one ends)."""
     try:
         start(argv)
+    except KeyboardInterrupt:  # Ctrl-C during the checks and imports, before any worker: no traceback
+        print("sft-train: interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
     except SystemExit as exc:
         if "RANK" in os.environ and isinstance(exc.code, str):
             from sft_trainer.job_failure import say_once, wait_until_said
