@@ -181,6 +181,15 @@ class Qwen35Attention(ContextParallelAttention):
         return self.o_proj(out)
 
 
+def check_gdn_activation(hidden_act: str) -> None:
+    """Raise unless ``hidden_act`` is one the Gated DeltaNet conv runs (silu, as transformers' fast path)."""
+    if hidden_act not in SILU:
+        raise ContextParallelError(
+            f"hidden_act={hidden_act!r}: Qwen3.5's Gated DeltaNet conv runs silu only (as transformers' fast path "
+            "does); use a checkpoint with hidden_act 'silu', or one without linear_attention layers"
+        )
+
+
 class Qwen35GatedDeltaNet(ContextParallelModule):
     """Gated DeltaNet: causal conv over q|k|v, gated delta rule with L2-normed q/k, gated RMSNorm, out_proj."""
 
@@ -193,11 +202,7 @@ class Qwen35GatedDeltaNet(ContextParallelModule):
             raise ContextParallelError(
                 f"linear_num_value_heads={self.num_v_heads} must be a multiple of linear_num_key_heads={self.num_k_heads}"
             )
-        if config.hidden_act not in SILU:
-            raise ContextParallelError(
-                f"hidden_act={config.hidden_act!r}: Qwen3.5's Gated DeltaNet conv runs silu only (as transformers' "
-                "fast path does); use a checkpoint with hidden_act 'silu', or one without linear_attention layers"
-            )
+        check_gdn_activation(config.hidden_act)
         self.recurrent_backend = recurrent_backend
         conv_dim = 2 * self.key_dim + self.value_dim
         width = config.linear_conv_kernel_dim

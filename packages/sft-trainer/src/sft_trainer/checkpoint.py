@@ -387,6 +387,7 @@ def maybe_resume(cfg, model, optimizer, scheduler) -> int:
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    from sft_trainer.job_failure import one_line
     from sft_trainer.watchdog import is_collective_timeout
 
     rank = dist.get_rank()
@@ -403,9 +404,8 @@ def maybe_resume(cfg, model, optimizer, scheduler) -> int:
             raise
         if isinstance(exc, CheckpointException) and exc.failures:  # DCP's: each rank's error with its traceback
             exc = next(iter(exc.failures.values()))[0]
-        reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:400]
         raise CheckpointError(
-            f"checkpoint.resume: {path} does not load into this run ({reason}); resume with the model and "
+            f"checkpoint.resume: {path} does not load into this run ({one_line(exc, 400)}); resume with the model and "
             "train.lora settings that wrote it, or start fresh (checkpoint.resume = false)"
         ) from None
     if rank == 0:

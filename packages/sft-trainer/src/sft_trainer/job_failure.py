@@ -169,3 +169,9 @@ def _write(path: Path, text: str) -> bool:
         return True
     except OSError:
         return False
+
+
+def one_line(exc: BaseException, limit: int = 600) -> str:
+    """``Type: message`` of ``exc`` on one line, cut at ``limit`` characters."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

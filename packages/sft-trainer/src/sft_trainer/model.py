@@ -6,6 +6,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from sft_trainer.config import TrainConfig, resolve_model_config
+from sft_trainer.job_failure import one_line
 from sft_trainer.parallelize import COMPUTE_DTYPES, parallelize_model
 
 # VL config field -> the placeholder's name in sft_trainer.data.VisionTokens
@@ -73,9 +74,3 @@ def build_model(cfg: TrainConfig, tokenizer, mesh: DeviceMesh) -> torch.nn.Modul
     """The model, ready to train on ``mesh``: :func:`create_model`, then
     :func:`~sft_trainer.parallelize.parallelize_model`."""
     return parallelize_model(create_model(cfg, tokenizer), cfg, mesh)
-
-
-def one_line(exc: BaseException, limit: int = 600) -> str:
-    """``Type: message`` of ``exc`` on one line, cut at ``limit`` characters."""
-    text = " ".join(f"{type(exc).__name__}: {exc}".split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -26,8 +26,8 @@ from sft_trainer.checkpoint import (
     resume_checkpoint,
     save_checkpoint,
 )
-from sft_trainer.job_failure import announce_store, report_exception, say_once
-from sft_trainer.model import ModelLoadError, build_model, one_line
+from sft_trainer.job_failure import announce_store, one_line, report_exception, say_once
+from sft_trainer.model import ModelLoadError, build_model
 from sft_trainer.progress import Progress
 from sft_trainer.report import write_report_at_end
 from sft_trainer.run_folder import set_aside_previous_run

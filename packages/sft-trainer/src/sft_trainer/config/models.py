@@ -189,11 +189,13 @@ def _check_model(cfg: TrainConfig) -> list[str]:
             problems.append(
                 f"{source}: linear_num_value_heads={v_heads} must be a multiple of linear_num_key_heads={k_heads}"
             )
-    if family == "qwen3_5" and "linear_attention" in layers and text.hidden_act not in ("silu", "swish"):
-        problems.append(
-            f"{source}: hidden_act={text.hidden_act!r}: Qwen3.5's Gated DeltaNet conv runs silu only (as "
-            "transformers' fast path does); use a checkpoint with hidden_act 'silu'"
-        )
+    if family == "qwen3_5" and "linear_attention" in layers:
+        from cp_models.qwen3_5 import check_gdn_activation
+
+        try:
+            check_gdn_activation(text.hidden_act)
+        except ContextParallelError as exc:
+            problems.append(f"{source}: {exc}")
     problems += _training_term_problems(text, source)
     if family == "nemotron_h" and "linear_attention" in layers and style == "a2a":
         from cp_core.head_parallel import check_head_parallel

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from sft_trainer.data.images import VisionTokens
+from sft_trainer.job_failure import one_line
 
 # apply_chat_template's own parameters that may come in chat_template_kwargs and that the direct path handles
 _HANDLED = {"tools", "documents", "chat_template"}
@@ -140,8 +141,7 @@ class ChatRenderer:
         except (ValueError, ChatTemplateError):
             raise
         except Exception as exc:
-            text = " ".join(f"{type(exc).__name__}: {exc}".split())
-            raise ChatTemplateError(text[:600]) from exc
+            raise ChatTemplateError(one_line(exc)) from exc
 
     def _render(self, prepared: list[Any], generation_prompt: bool) -> str:
         if self._template is not None and prepared:  # apply_chat_template refuses an empty list: let it say so
