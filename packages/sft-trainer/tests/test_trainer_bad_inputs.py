@@ -89,6 +89,23 @@ _CP1 = ("--parallel.cp", "1", "--data.seq_len", "64", "--train.steps", "2", "--t
         "--logging.progress_bar", "false", "--checkpoint.export_hf", "false")  # fmt: skip
 
 
+# case -> (a chat template, the start of the error it stops with): its raise_exception, a sandbox refusal, and
+# errors in the template's own code
+FAILING_TEMPLATES = {
+    "template_raises": ("{{ raise_exception('no system role') }}", "TemplateError: no system role"),
+    "template_escapes_the_sandbox": (
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "SecurityError: access to attribute",
+    ),
+    "template_code_fails": ("{{ messages[0]['content'] + 1 }}", "TypeError: can only concatenate str"),
+    "template_divides_by_zero": ("{{ messages | length // 0 }}", "ZeroDivisionError"),
+    "template_range_over_the_sandbox_limit": (
+        "{% for i in range(10**9) %}{% endfor %}",
+        "OverflowError: Range too big",
+    ),
+}
+
+
 def _worker_case(tmp_path, case: str) -> tuple[list[str], str]:
     if case == "truncated_safetensors":
         ckpt = _tiny_checkpoint(tmp_path / "ckpt")
@@ -105,21 +122,10 @@ def _worker_case(tmp_path, case: str) -> tuple[list[str], str]:
         config["intermediate_size"] = 96
         (ckpt / "config.json").write_text(json.dumps(config))
         return ["--model.path", str(ckpt)], f"sft-train: model.path={str(ckpt)!r} does not load: "
-    if case == "template_raises":
-        tok = _tokenizer_with_template(tmp_path / "tok", "{{ raise_exception('no system role') }}")
-        return ["--data.tokenizer", str(tok)], "its chat template fails: TemplateError: no system role"
-    if case == "template_escapes_the_sandbox":
-        tok = _tokenizer_with_template(tmp_path / "tok", "{{ ''.__class__.__mro__[1].__subclasses__() }}")
-        return ["--data.tokenizer", str(tok)], "its chat template fails: SecurityError: access to attribute"
-    if case == "template_code_fails":  # an error in the template's own code, not its raise_exception
-        tok = _tokenizer_with_template(tmp_path / "tok", "{{ messages[0]['content'] + 1 }}")
-        return ["--data.tokenizer", str(tok)], "its chat template fails: TypeError: can only concatenate str"
-    if case == "template_divides_by_zero":
-        tok = _tokenizer_with_template(tmp_path / "tok", "{{ messages | length // 0 }}")
-        return ["--data.tokenizer", str(tok)], "its chat template fails: ZeroDivisionError"
-    if case == "template_range_over_the_sandbox_limit":
-        tok = _tokenizer_with_template(tmp_path / "tok", "{% for i in range(10**9) %}{% endfor %}")
-        return ["--data.tokenizer", str(tok)], "its chat template fails: OverflowError: Range too big"
+    if case in FAILING_TEMPLATES:
+        template, error = FAILING_TEMPLATES[case]
+        tok = _tokenizer_with_template(tmp_path / "tok", template)
+        return ["--data.tokenizer", str(tok)], f"its chat template fails: {error}"
     if case == "resume_of_another_model":  # passes the launcher's checks (layout, steps); its tensors differ
         from test_trainer_outputs import fake_checkpoint
 
@@ -141,11 +147,7 @@ WORKER_CASES = [
     "truncated_safetensors",
     "missing_safetensors",
     "shapes_disagree_with_config",
-    "template_raises",
-    "template_escapes_the_sandbox",
-    "template_code_fails",
-    "template_divides_by_zero",
-    "template_range_over_the_sandbox_limit",
+    *FAILING_TEMPLATES,
     "tokenizer_json_corrupt",
     "no_loss_token",
     "resume_of_another_model",
