@@ -123,3 +123,26 @@ def test_non_finite_step_is_skipped_on_every_rank():
             for first, second in per_rank:
                 assert first == (True, False, True), (fsdp, per_rank)
                 assert second == (False, True, True), (fsdp, per_rank)
+
+
+def test_a_step_without_loss_tokens_has_no_loss_and_is_not_applied():
+    """Rows whose labels are all ignored: the loss is None and the weights stay put (AdamW with momentum from an
+    earlier step and weight decay would move them on a zero gradient); the schedule still advances."""
+    from cp_core import CPTopology
+    from sft_trainer.train import train_step
+
+    model = _model(6)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+    ids = torch.randint(0, 97, (32,), generator=torch.Generator().manual_seed(3))
+    trained = {"input_ids": ids, "labels": torch.roll(ids, -1), "seq_lens": [20, 12]}
+    silent = {**trained, "labels": torch.full_like(ids, -100)}
+    args = (CPTopology.single(), None, None, 1.0, torch.device("cpu"))
+    loss, tokens, _, skipped = train_step(model, optimizer, scheduler, [trained], *args)
+    assert loss is not None and loss > 0 and tokens == 32 and not skipped
+    before = [p.detach().clone() for p in model.parameters()]
+    loss, tokens, grad_norm, skipped = train_step(model, optimizer, scheduler, [silent, silent], *args)
+    assert (loss, tokens, grad_norm, skipped) == (None, 0, 0.0, False)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert all(p.grad is None for p in model.parameters())
+    assert scheduler.get_last_lr()[0] == 1e-2 * (1.0 / 3)

@@ -24,9 +24,9 @@ import pytest
 from trainer_runs import read_wandb_records, wandb_items
 
 from sft_trainer.cli import report_main
-from sft_trainer.progress import Progress
-from sft_trainer.report import read_metrics, summarize
-from sft_trainer.train import StepStats
+from sft_trainer.progress import Progress, plain_line
+from sft_trainer.report import format_summary, read_metrics, summarize
+from sft_trainer.train import MetricsWriter, StepStats
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -78,6 +78,25 @@ def test_plain_lines_off_a_terminal_or_with_progress_bar_false(terminal, progres
         progress.update(_stats(step, skipped=step == 4))
     progress.close()
     assert out.getvalue().splitlines() == [_plain(2, 5), _plain(4, 5, skipped=True), _plain(5, 5)]
+
+
+def test_a_step_without_loss_tokens_shows_no_loss_in_line_bar_and_report(tmp_path):
+    silent = StepStats(2, None, 0, 0.0, 1e-4, 0.25, False, {"memory_gib": 1.5, "tokens_per_s": 1000.0})
+    assert plain_line(silent, 3) == (
+        "step     2/3 | loss    n/a | tok/s      1000 | step   250.0 ms | mem 1.50 GiB | no loss tokens (not applied)"
+    )
+    out = _Terminal()
+    progress = Progress(total=3, start=1, log_every=1, progress_bar=True, stream=out)
+    progress.update(silent)
+    progress.close()
+    assert "loss    n/a | lr 1.00e-04" in out.getvalue()
+    metrics = tmp_path / "metrics.jsonl"
+    writer = MetricsWriter(metrics)
+    for stats in (_stats(1), silent, _stats(3)):
+        writer.write(stats)
+    summary = summarize(read_metrics(metrics))
+    assert (summary["first_loss"], summary["last_loss"], summary["no_loss_tokens"]) == (2.0, 2.0 / 3, 1)
+    assert format_summary(summary).startswith("steps: 3 (last step 3), skipped (non-finite): 0, without loss tokens: 1")
 
 
 @pytest.mark.parametrize("columns", [100, 0])

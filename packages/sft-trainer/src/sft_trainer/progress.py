@@ -13,19 +13,28 @@ from typing import TextIO
 from sft_trainer.train import StepStats
 
 
+def _loss(stats: StepStats) -> str:
+    return "   n/a" if stats.loss is None else f"{stats.loss:.4f}"
+
+
+def _note(stats: StepStats) -> str:
+    if stats.skipped:
+        return " | SKIPPED (non-finite)"
+    return " | no loss tokens (not applied)" if stats.loss is None else ""
+
+
 def plain_line(stats: StepStats, total: int) -> str:
     """The log line of one step (the format scripts and tests read)."""
     return (
-        f"step {stats.step:5d}/{total} | loss {stats.loss:.4f} | tok/s {stats.extra['tokens_per_s']:9.0f} | "
-        f"step {stats.seconds * 1000:7.1f} ms | mem {stats.extra['memory_gib']:.2f} GiB"
-        + (" | SKIPPED (non-finite)" if stats.skipped else "")
+        f"step {stats.step:5d}/{total} | loss {_loss(stats)} | tok/s {stats.extra['tokens_per_s']:9.0f} | "
+        f"step {stats.seconds * 1000:7.1f} ms | mem {stats.extra['memory_gib']:.2f} GiB" + _note(stats)
     )
 
 
 def bar_postfix(stats: StepStats) -> str:
     """The numbers shown after the bar."""
     return (
-        f"loss {stats.loss:.4f} | lr {stats.lr:.2e} | tok/s {stats.extra['tokens_per_s']:.0f} | "
+        f"loss {_loss(stats)} | lr {stats.lr:.2e} | tok/s {stats.extra['tokens_per_s']:.0f} | "
         f"mem {stats.extra['memory_gib']:.2f} GiB"
     )
 

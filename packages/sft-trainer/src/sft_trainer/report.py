@@ -9,7 +9,6 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-REQUIRED_KEYS = ("step", "loss")
 # metrics.jsonl key -> the panel's title
 PANELS = {
     "loss": "loss",
@@ -22,6 +21,15 @@ PANELS = {
 
 class ReportError(Exception):
     """A run folder or metrics file that cannot be reported on (the message is one line)."""
+
+
+def _is_record(record: Any) -> bool:
+    """A metrics line: a numeric step and a numeric loss, or null for a step without loss tokens."""
+    return (
+        isinstance(record, dict)
+        and isinstance(record.get("step"), (int, float))
+        and (record.get("loss", 0) is None or isinstance(record.get("loss"), (int, float)))
+    )
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -40,8 +48,10 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
             record = json.loads(line)
         except ValueError as exc:
             raise ReportError(f"{path}:{number}: not a JSON object: {exc}") from None
-        if not isinstance(record, dict) or any(not isinstance(record.get(k), (int, float)) for k in REQUIRED_KEYS):
-            raise ReportError(f"{path}:{number}: not a metrics record (needs numeric {' and '.join(REQUIRED_KEYS)})")
+        if not _is_record(record):
+            raise ReportError(
+                f"{path}:{number}: not a metrics record (needs a numeric step, and a loss that is a number or null)"
+            )
         records.append(record)
     if not records:
         raise ReportError(f"{path}: holds no steps")
@@ -53,8 +63,9 @@ def _values(records: list[dict[str, Any]], key: str) -> list[float]:
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Steps, first / last / min loss of the steps that were applied, median tokens/s, peak memory, skipped steps
-    and the time spent in steps (the sum of step_time_s; startup and checkpoints not included)."""
+    """Steps, first / last / min loss of the steps that were applied, median tokens/s, peak memory, skipped steps,
+    steps without loss tokens and the time spent in steps (the sum of step_time_s; startup and checkpoints not
+    included)."""
     applied = [r for r in records if not r.get("skipped")]
     losses = _values(applied, "loss")
     tokens_per_s = _values(records, "tokens_per_s")
@@ -68,6 +79,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "median_tokens_per_s": statistics.median(tokens_per_s) if tokens_per_s else None,
         "peak_memory_gib": max(memory) if memory else None,
         "skipped": len(records) - len(applied),
+        "no_loss_tokens": sum(1 for r in records if r.get("tokens") == 0),
         "step_time_s": sum(_values(records, "step_time_s")),
     }
 
@@ -78,7 +90,8 @@ def format_summary(summary: dict[str, Any]) -> str:
 
     return "\n".join(
         [
-            f"steps: {summary['steps']} (last step {summary['last_step']}), skipped (non-finite): {summary['skipped']}",
+            f"steps: {summary['steps']} (last step {summary['last_step']}), skipped (non-finite): {summary['skipped']}"
+            + (f", without loss tokens: {summary['no_loss_tokens']}" if summary.get("no_loss_tokens") else ""),
             f"loss: first {num(summary['first_loss'], '.4f')}, last {num(summary['last_loss'], '.4f')}, "
             f"min {num(summary['min_loss'], '.4f')}",
             f"tokens/s (median): {num(summary['median_tokens_per_s'], '.0f')}",

@@ -23,7 +23,8 @@ from cp_core import CPTopology, shard_sequence
 @dataclass
 class StepStats:
     step: int
-    loss: float
+    loss: float | None
+    """Mean token loss; None for a step whose rows hold no loss token."""
     tokens: int
     """Loss tokens of the step over all ranks."""
     grad_norm: float
@@ -81,7 +82,7 @@ def train_step(
     device: torch.device,
     sharded: bool = False,
     whole_rows: bool = False,
-) -> tuple[float, int, float, bool]:
+) -> tuple[float | None, int, float, bool]:
     """One optimizer step over ``rows`` (the grad-accumulation micro-batches of this dp replica).
 
     ``sharded``: the model is FSDP2-sharded and its backward already summed the gradients over the world.
@@ -89,7 +90,8 @@ def train_step(
     for its images and 3-D positions); otherwise each rank feeds its shard of the ids and labels.
 
     Returns (global mean token loss, global loss tokens, grad norm, skipped). A non-finite loss or gradient on
-    any rank skips the step on every rank.
+    any rank skips the step on every rank. A step whose rows hold no loss token has no loss (None) and is not
+    applied: its gradient is zero, and AdamW would still move the weights by momentum and weight decay.
     """
     tokens = global_token_count([r["labels"] for r in rows], dp_group, device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -124,11 +126,11 @@ def train_step(
         [loss_sum.reshape(1), grad_norm.double().reshape(1), finite]
     ).tolist()
     skipped = finite_value < 1
-    if not skipped:
+    if not skipped and tokens > 0:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
-    return loss_value / max(tokens, 1), tokens, norm_value, skipped
+    return (loss_value / tokens if tokens else None), tokens, norm_value, skipped
 
 
 def _step_of(line: str) -> float:
