@@ -91,3 +91,40 @@ def test_cp_styles_and_coefficient_keys():
         parts = {key.split(".", 1)[1] for key in family.coefficient_keys}
         assert all(key.startswith(f"{family.name}.") for key in family.coefficient_keys)
         assert set(family.layer_parts) | {"block", "model"} <= parts
+
+
+def _family_configs(family):
+    """Tiny configs of ``family`` that together set every size it names (dense and MoE)."""
+    from cp_models.presets import tiny_nemotron_h_config, tiny_qwen35_config
+
+    if family is QWEN35:
+        return [tiny_qwen35_config(vocab_size=64), tiny_qwen35_moe_config(vocab_size=64)]
+    return [tiny_nemotron_h_config(vocab_size=64)]
+
+
+@pytest.mark.parametrize("family", [QWEN35, NEMOTRON_H], ids=lambda f: f.name)
+def test_every_size_field_is_checked_when_the_model_is_built(family):
+    """Each size the family names is set by its tiny configs (no typo in the list), and 0, a negative or a
+    float there stops the build with one line naming the field."""
+    configs = _family_configs(family)
+    assert set(family.size_fields) <= {f for c in configs for f in family.size_fields if getattr(c, f, None)}
+    for name in family.size_fields:
+        config = next(c for c in configs if getattr(c, name, None))
+        for bad in (0, -2, 2.5):
+            broken = type(config).from_dict(config.to_dict())
+            object.__setattr__(broken, name, bad)  # past transformers' own type check, where it has one
+            with pytest.raises(ContextParallelError, match=f"{name}={bad!r}: must be a positive integer"):
+                family.model_class(broken)
+
+
+def test_head_and_expert_counts_must_agree():
+    config = tiny_qwen35_moe_config(vocab_size=64)
+    config.num_key_value_heads = config.num_attention_heads - 1
+    config.num_experts_per_tok = config.num_experts + 1
+    with pytest.raises(ContextParallelError) as info:
+        QWEN35.model_class(config)
+    heads, experts = config.num_attention_heads, config.num_experts
+    assert str(info.value) == (
+        f"qwen3_5_moe_text config: num_attention_heads={heads} must be a multiple of num_key_value_heads={heads - 1}; "
+        f"num_experts_per_tok={experts + 1} must be at most the number of experts ({experts})"
+    )

@@ -65,6 +65,8 @@ MODEL_FILES = {
     "conv8": _text_config(linear_conv_kernel_dim=8),
     "gelu": _text_config(hidden_act="gelu"),
     "dropout": _text_config(attention_dropout=0.1),
+    "no_heads": _text_config(num_attention_heads=0, linear_num_key_heads=0),
+    "float_width": _text_config(hidden_size=96.5),
     "router_loss": _text_config(
         model_type="qwen3_5_moe_text",
         num_experts=4,
@@ -100,6 +102,19 @@ MODEL_FILES = {
         "ssm_state_size": 8,
         "conv_kernel": 4,
         "intermediate_size": 48,
+    },
+    "nemo_no_mamba_heads": {
+        "model_type": "nemotron_h",
+        "hybrid_override_pattern": "M*E",
+        "mamba_num_heads": 0,
+        "n_routed_experts": 2,
+        "num_experts_per_tok": 3,
+    },
+    "nemo_top_k": {
+        "model_type": "nemotron_h",
+        "hybrid_override_pattern": "ME",
+        "n_routed_experts": 2,
+        "num_experts_per_tok": 3,
     },
     "not_json": "{ this is not json",
 }
@@ -292,6 +307,22 @@ INVALID = [
         ["model.config=", "hidden_act='gelu'", "silu only", "hidden_act 'silu'"],
     ),
     ("attention_dropout", ["--model.config", "{dropout}"], ["attention_dropout=0.1", '"attention_dropout": 0.0']),
+    (
+        "zero_heads",
+        ["--model.config", "{no_heads}"],
+        ["model.config=", "num_attention_heads=0: must be a positive integer", "linear_num_key_heads=0: must be a"],
+    ),
+    (
+        "float_width",
+        ["--model.config", "{float_width}"],
+        ["hidden_size", "96.5"],  # transformers' own type check where it has one, else ours
+    ),
+    ("nemotron_zero_heads", ["--model.config", "{nemo_no_mamba_heads}"], ["mamba_num_heads=0: must be a positive"]),
+    (
+        "nemotron_top_k_over_experts",
+        ["--model.config", "{nemo_top_k}"],
+        ["num_experts_per_tok=3 must be at most the number of experts (2)"],
+    ),
     (
         "router_load_balancing_loss",
         ["--model.config", "{router_loss}"],

@@ -17,6 +17,7 @@ from typing import Any
 import torch.nn as nn
 
 from cp_core import ContextParallelError
+from cp_models import nemotron_h, qwen3_5
 from cp_models.nemotron_h import NemotronHForCausalLM, load_nemotron_h_config
 from cp_models.presets import tiny_nemotron_h_config, tiny_qwen35_config, tiny_qwen35_vl_config
 from cp_models.qwen3_5 import TEXT_MODEL_TYPES, VL_MODEL_TYPES, Qwen35ForCausalLM, load_text_config
@@ -50,6 +51,8 @@ class ModelFamily:
     """HF layer type -> the CP styles it runs under."""
     layer_types_attribute: str = "layer_types"
     """The text config's attribute listing each layer's HF layer type."""
+    size_fields: tuple[str, ...] = ()
+    """The text config's sizes, each a positive integer where set (``cp_models.config_rules``)."""
     tiny_presets: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
     """``model.preset`` name -> the tiny config it builds (``vocab_size`` first)."""
     layer_parts: Mapping[str, tuple[str, str]] = field(default_factory=dict)
@@ -106,6 +109,7 @@ QWEN35 = ModelFamily(
     # conv halo and state passing.
     cp_styles=("ulysses",),
     layer_cp_styles=_frozen({"full_attention": ("ulysses",), "linear_attention": ("ulysses",)}),
+    size_fields=qwen3_5.SIZE_FIELDS,
     tiny_presets=_frozen({"tiny-qwen3_5": tiny_qwen35_config, "tiny-qwen3_5-vl": tiny_qwen35_vl_config}),
     layer_parts=_frozen(
         {
@@ -133,6 +137,7 @@ NEMOTRON_H = ModelFamily(
     cp_style_argument="mamba_cp_style",
     layer_cp_styles=_frozen(dict.fromkeys(("linear_attention", "full_attention", "mlp", "moe"), _NEMOTRON_H_STYLES)),
     layer_types_attribute="layers_block_type",
+    size_fields=nemotron_h.SIZE_FIELDS,
     tiny_presets=_frozen({"tiny-nemotron_h": tiny_nemotron_h_config}),
     layer_parts=_frozen(
         {

@@ -32,6 +32,7 @@ from cp_core import (
     RecurrentBackend,
 )
 from cp_models.activations import ReLUSquared, activation
+from cp_models.config_rules import check_config_sizes
 from cp_models.context_parallel import ContextParallelAttention
 from cp_models.feed_forward import combine_expert_outputs, expert_slot_groups, sort_by_expert, squared_relu_linear
 from cp_models.hf_checkpoint import (
@@ -48,6 +49,25 @@ from cp_models.row_inputs import build_row_metadata, embed_row, validated_row_in
 
 MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 FP32_ROUTER = (".mixer.gate.weight", ".mixer.gate.e_score_correction_bias")  # fp32 strictly in transformers
+# the config's sizes (each a positive integer where the config sets it)
+SIZE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "mamba_num_heads",
+    "mamba_head_dim",
+    "n_groups",
+    "ssm_state_size",
+    "conv_kernel",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "n_group",
+    "topk_group",
+)
 
 
 def load_nemotron_h_config(path_or_config):
@@ -264,6 +284,7 @@ class NemotronHModel(nn.Module):
         mamba_cp_style: MambaCPStyle = "state_passing",
     ):
         super().__init__()
+        check_config_sizes(config, SIZE_FIELDS)
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             NemotronHBlock(config, i, attention_backend, recurrent_backend, mamba_cp_style)

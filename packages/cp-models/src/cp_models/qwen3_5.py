@@ -32,6 +32,7 @@ from cp_core import (
     gated_delta_rule_cp,
 )
 from cp_models.activations import activation
+from cp_models.config_rules import check_config_sizes
 from cp_models.context_parallel import ContextParallelAttention, ContextParallelModule
 from cp_models.feed_forward import combine_expert_outputs, expert_slot_groups, sort_by_expert, swiglu_linear
 from cp_models.hf_checkpoint import (
@@ -47,6 +48,24 @@ from cp_models.norms import GatedRMSNorm, ZeroCenteredRMSNorm
 from cp_models.row_inputs import build_row_metadata, embed_row, row_position_ids, validated_row_inputs
 
 TEXT_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
+# the text config's sizes (each a positive integer where the config sets it)
+SIZE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+)
 VL_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")  # vision-language checkpoints: their text_config loads here
 SUPPORTED_MODEL_TYPES = (*TEXT_MODEL_TYPES, *VL_MODEL_TYPES)
 SILU = ("silu", "swish")  # the activation of the fused SwiGLU path and the only one GDN's conv takes
@@ -371,6 +390,7 @@ class Qwen35TextModel(nn.Module):
         self, config, attention_backend: AttentionBackend = "auto", recurrent_backend: RecurrentBackend = "auto"
     ):
         super().__init__()
+        check_config_sizes(config, SIZE_FIELDS)
         # transformers' padding_idx: the pad token's row gets no gradient
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, getattr(config, "pad_token_id", None))
         self.layers = nn.ModuleList(

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from cp_models.families import FAMILIES
 from sft_trainer.config.errors import ConfigError
 from sft_trainer.config.presets import PRESETS, SHIPPED_MODEL_CONFIGS
+from sft_trainer.job_failure import one_line
 
 if TYPE_CHECKING:
     from sft_trainer.config.schema import TrainConfig
@@ -102,7 +103,7 @@ def resolve_model_config(model: ModelConfig, vocab_size: int | None = None, toke
     try:
         return AutoConfig.from_pretrained(str(file), trust_remote_code=False)
     except Exception as exc:  # transformers' own validation of the config's values
-        raise ConfigError(f"{source}: transformers rejects {file}: {exc}") from exc
+        raise ConfigError(f"{source}: transformers rejects {file}: {one_line(exc)}") from exc
 
 
 def _training_term_problems(text, source: str) -> list[str]:
@@ -153,6 +154,12 @@ def _check_model(cfg: TrainConfig) -> list[str]:
         text = load_text_config(hf)
         layer_types = list(text.layer_types[: text.num_hidden_layers])
         conv_width, conv_name = text.linear_conv_kernel_dim, "GDN conv halo needs linear_conv_kernel_dim"
+
+    from cp_models.config_rules import config_size_problems
+
+    sizes = config_size_problems(text, FAMILIES[family].size_fields)
+    if sizes:  # the checks below divide by these sizes
+        return [*problems, *(f"{source}: {problem}" for problem in sizes)]
 
     layers: dict[str, list[int]] = {}
     for i, layer_type in enumerate(layer_types):
