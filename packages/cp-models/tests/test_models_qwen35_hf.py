@@ -9,6 +9,7 @@ Parameters are randomized on the transformers side, saved with ``save_pretrained
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -530,6 +531,24 @@ def test_sharded_checkpoint_loads(tmp_path):
     # transformers reads the sharded folder too
     _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "sharded", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_weight_files_that_do_not_load_say_why(tmp_path):
+    """Pickle weights are never read; an index naming a missing shard, or a file outside the folder, is refused."""
+    config = make_config(False, layer_types=[LIN, FULL])
+    _our_model(config, seed=33).save_pretrained(tmp_path / "pickled")
+    (tmp_path / "pickled" / "model.safetensors").rename(tmp_path / "pickled" / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match=r"holds pytorch_model\.bin: pickle weights, never loaded"):
+        Qwen35ForCausalLM.from_pretrained(tmp_path / "pickled")
+    index = tmp_path / "pickled" / "model.safetensors.index.json"
+    for weight_map, error, message in (
+        ({"w": "model-00001-of-00002.safetensors"}, FileNotFoundError, "names model-00001-of-00002.safetensors, which"),
+        ({"w": "../model.safetensors"}, ValueError, "names '../model.safetensors', not a file in"),
+        ([], ValueError, "not a safetensors index"),
+    ):
+        index.write_text(json.dumps({"weight_map": weight_map}))
+        with pytest.raises(error, match=re.escape(message)):
+            read_safetensors(tmp_path / "pickled")
 
 
 @pytest.mark.parametrize("vl_config", [False, True], ids=["text_config", "vl_config"])

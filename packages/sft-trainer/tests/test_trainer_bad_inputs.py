@@ -112,10 +112,6 @@ def _worker_case(tmp_path, case: str) -> tuple[list[str], str]:
         weights = ckpt / "model.safetensors"
         weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
         return ["--model.path", str(ckpt)], f"sft-train: model.path={str(ckpt)!r} does not load: "
-    if case == "missing_safetensors":
-        ckpt = _tiny_checkpoint(tmp_path / "ckpt")
-        (ckpt / "model.safetensors").unlink()
-        return ["--model.path", str(ckpt)], f"sft-train: model.path={str(ckpt)!r} does not load: "
     if case == "shapes_disagree_with_config":
         ckpt = _tiny_checkpoint(tmp_path / "ckpt")
         config = json.loads((ckpt / "config.json").read_text())
@@ -145,7 +141,6 @@ def _worker_case(tmp_path, case: str) -> tuple[list[str], str]:
 
 WORKER_CASES = [
     "truncated_safetensors",
-    "missing_safetensors",
     "shapes_disagree_with_config",
     *FAILING_TEMPLATES,
     "tokenizer_json_corrupt",

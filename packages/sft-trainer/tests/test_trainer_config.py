@@ -129,10 +129,24 @@ def model_files(tmp_path: Path) -> dict[str, str]:
         text = content if isinstance(content, str) else json.dumps(content)
         (folder / "config.json").write_text(text)
         paths[name] = str(folder / "config.json")
-    for name in ("tokenizer.json", "tokenizer_config.json"):  # a checkpoint-like folder: config.json + tokenizer
-        shutil.copy(SHIPPED_TOKENIZER / name, tmp_path / "q6" / name)
-    paths["dir_q6"] = str(tmp_path / "q6")
-    paths["dir_kv3"] = str(tmp_path / "kv3")  # config.json alone, no tokenizer
+    # checkpoint-like folders: config.json, the tokenizer and weight files (what the pre-launch checks look at)
+    for variant, weights in (
+        ("q6", {"model.safetensors": ""}),
+        ("q6_pickle", {"pytorch_model.bin": "pickle"}),
+        ("q6_shard_missing", {"model.safetensors.index.json": '{"weight_map": {"a": "model-1.safetensors"}}'}),
+        ("q6_bad_index", {"model.safetensors.index.json": '{"metadata": {}}'}),
+    ):
+        folder = tmp_path / variant
+        if variant != "q6":
+            folder.mkdir()
+            shutil.copy(tmp_path / "q6" / "config.json", folder / "config.json")
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(SHIPPED_TOKENIZER / name, folder / name)
+        for name, text in weights.items():
+            (folder / name).write_text(text)
+        paths[f"dir_{variant}"] = str(folder)
+    (tmp_path / "kv3" / "model.safetensors").write_text("")
+    paths["dir_kv3"] = str(tmp_path / "kv3")  # config.json and weights, no tokenizer
     paths["missing"] = str(tmp_path / "does_not_exist")
     (tmp_path / "notes.txt").write_text("not a data file")
     paths["text_file"] = str(tmp_path / "notes.txt")
@@ -365,6 +379,17 @@ INVALID = [
         ["model.path=", "model.config=", "not both"],
     ),
     ("model_path_missing", ["--model.path", "{missing}"], ["model.path=", "not a folder"]),
+    (
+        "pickle_weights_only",
+        ["--model.path", "{dir_q6_pickle}"],
+        ["no model.safetensors", "holds pytorch_model.bin: pickle weights, never loaded (unpickling can run code)"],
+    ),
+    (
+        "index_names_a_missing_shard",
+        ["--model.path", "{dir_q6_shard_missing}"],
+        ["model.safetensors.index.json names model-1.safetensors, which is missing"],
+    ),
+    ("index_without_weight_map", ["--model.path", "{dir_q6_bad_index}"], ["is not a safetensors index"]),
     ("model_config_not_json", ["--model.config", "{not_json}"], ["model.config=", "cannot read", "as JSON"]),
     ("data_path_missing", ["--data.path", "{missing}"], ["data.path=", "no such file or folder"]),
     (
@@ -698,6 +723,7 @@ def test_checkpoint_tokenizer_is_the_default_and_must_fit(model_files, tmp_path)
     small = tmp_path / "small"  # a checkpoint folder whose vocabulary is smaller than its tokenizer's
     small.mkdir()
     (small / "config.json").write_text(json.dumps(_text_config(vocab_size=600)))
+    (small / "model.safetensors").write_text("")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(SHIPPED_TOKENIZER / name, small / name)
     with pytest.raises(ConfigError) as info:

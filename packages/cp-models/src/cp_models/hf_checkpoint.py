@@ -13,22 +13,49 @@ import torch.nn as nn
 
 from cp_core import ContextParallelError
 
+PICKLE_WEIGHTS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt")
+
+
+def safetensors_files(path: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a HF checkpoint folder (one file, or the shards its index names). Raises
+    FileNotFoundError or ValueError with one line naming what is missing or wrong; pickle weights are never read
+    (unpickling can run code)."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if not index.exists():
+        if (path / "model.safetensors").is_file():
+            return [path / "model.safetensors"]
+        pickles = sorted({f.name for pattern in PICKLE_WEIGHTS for f in path.glob(pattern)})
+        hint = (
+            f"; it holds {', '.join(pickles)}: pickle weights, never loaded (unpickling can run code); save the "
+            "model as safetensors (transformers' save_pretrained does by default)"
+            if pickles
+            else ""
+        )
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}{hint}")
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{index} is not a safetensors index (a JSON object with a weight_map): {exc!r}") from None
+    files = []
+    for name in names:
+        file = path / str(name)
+        if not isinstance(name, str) or file.resolve().parent != path.resolve():
+            raise ValueError(f"{index} names {name!r}, not a file in {path}")
+        if not file.is_file():
+            raise FileNotFoundError(f"{index} names {name}, which is missing")
+        files.append(file)
+    return files
+
 
 def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """All tensors of a HF checkpoint folder (single file or sharded with an index)."""
     from safetensors.torch import load_file
 
-    path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (path / "model.safetensors").exists():
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
     state: dict[str, torch.Tensor] = {}
-    for name in files:
-        state.update(load_file(str(path / name)))
+    for file in safetensors_files(path):
+        state.update(load_file(str(file)))
     return state
 
 

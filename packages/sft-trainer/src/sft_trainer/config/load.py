@@ -63,8 +63,9 @@ def _format_validation_error(exc: ValidationError) -> list[str]:
     return problems
 
 
-def check_config(cfg: TrainConfig) -> list[str]:
-    """Every cross-field and model-dependent problem of an already type-checked config (empty: valid)."""
+def check_config(cfg: TrainConfig, weights: bool = True) -> list[str]:
+    """Every cross-field and model-dependent problem of an already type-checked config (empty: valid);
+    ``weights=False`` leaves out the check of ``model.path``'s weight files (a command that reads none)."""
     problems: list[str] = []
     par, data, train = cfg.parallel, cfg.data, cfg.train
 
@@ -128,7 +129,20 @@ def check_config(cfg: TrainConfig) -> list[str]:
     problems.extend(model_problems)
     if not model_problems:
         problems.extend(_check_tokenizer(cfg))
+        if weights and cfg.model.path is not None:
+            problems.extend(_weight_file_problems(cfg.model.path))
     return problems
+
+
+def _weight_file_problems(path: str) -> list[str]:
+    """The checkpoint's safetensors files are there (the workers read them; pickle weights never)."""
+    from cp_models.hf_checkpoint import safetensors_files
+
+    try:
+        safetensors_files(path)
+    except (OSError, ValueError) as exc:
+        return [f"model.path={path!r}: {exc}"]
+    return []
 
 
 def _check_tokenizer(cfg: TrainConfig) -> list[str]:
@@ -177,7 +191,7 @@ def config_from_dict(data: Mapping[str, Any], source: str | None = None, fetch_w
     problems = resolve_hub_ids(cfg, fetch_weights=fetch_weights)
     if problems:
         raise ConfigError(problems, source)
-    problems = check_config(cfg)
+    problems = check_config(cfg, weights=fetch_weights)
     if problems:
         raise ConfigError(problems, source)
     return cfg
