@@ -39,7 +39,36 @@ PRE_LAUNCH = [
     ("wandb_missing", ["--logging.wandb.enabled", "true"], "logging.wandb.enabled=true but wandb is not installed"),
     ("metrics_file_is_a_folder", ["--logging.metrics_file", "{tmp}"], "is a folder; name a file"),
     ("output_dir_is_a_file", ["--output_dir", "{tmp}/file"], "is a file, not a folder"),
+    (
+        "tokenizer_json_corrupt",
+        ["--data.tokenizer", "{tmp}/tok_corrupt"],
+        "/tok_corrupt' does not load: JSONDecodeError",
+    ),
+    (
+        "template_syntax_error",
+        ["--data.tokenizer", "{tmp}/tok_syntax"],
+        "/tok_syntax' has a chat template that does not compile (line 1): TemplateSyntaxError: unexpected '}'",
+    ),
+    ("no_chat_template", ["--data.tokenizer", "{tmp}/tok_none"], "/tok_none' has no chat template"),
 ]
+
+
+def _tokenizer_with_template(folder, template: str | None):
+    shutil.copytree(SHIPPED_TOKENIZER, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    if template is None:
+        del config["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _bad_tokenizers(tmp_path) -> None:
+    """The tokenizer folders PRE_LAUNCH names: tokenizer.json cut short, a template that does not compile, none."""
+    corrupt = shutil.copytree(SHIPPED_TOKENIZER, tmp_path / "tok_corrupt")
+    (corrupt / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE", "vocab": \n[1, 2')
+    _tokenizer_with_template(tmp_path / "tok_syntax", "{% for m in messages %}{{ m }")
+    _tokenizer_with_template(tmp_path / "tok_none", None)
 
 
 @pytest.mark.parametrize(("overrides", "fragment"), [c[1:] for c in PRE_LAUNCH], ids=[c[0] for c in PRE_LAUNCH])
@@ -50,6 +79,7 @@ def test_pre_launch_mistakes_stop_in_main_with_one_clear_line(tmp_path, monkeypa
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real_find_spec(name))
     (tmp_path / "file").write_text("x")
+    _bad_tokenizers(tmp_path)
     argv = [a.replace("{tmp}", str(tmp_path)) for a in overrides]
     if "--output_dir" not in argv:
         argv = ["--output_dir", str(tmp_path / "out"), *argv]
@@ -74,14 +104,6 @@ def _tiny_checkpoint(folder):
     tokenizer = AutoTokenizer.from_pretrained(SHIPPED_TOKENIZER)
     Qwen35ForCausalLM(tiny_qwen35_config(len(tokenizer))).save_pretrained(folder)
     tokenizer.save_pretrained(folder)  # a checkpoint folder holds its tokenizer, the default for model.path
-    return folder
-
-
-def _tokenizer_with_template(folder, template: str):
-    shutil.copytree(SHIPPED_TOKENIZER, folder)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    config["chat_template"] = template
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
 
 
@@ -130,10 +152,6 @@ def _worker_case(tmp_path, case: str) -> tuple[list[str], str]:
             "--checkpoint.resume",
             str(ckpt),
         ], "does not load into this run (RuntimeError: Missing key in checkpoint state_dict: model."
-    if case == "tokenizer_json_corrupt":  # its files are there (the launcher's check passes); they do not parse
-        tok = shutil.copytree(SHIPPED_TOKENIZER, tmp_path / "tok")
-        (tok / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE", "vocab": \n[1, 2')
-        return ["--data.tokenizer", str(tok)], f"sft-train: data.tokenizer={str(tok)!r} does not load: "
     if case == "no_loss_token":
         return ["--data.seq_len", "8"], "no packed row holds a loss token"
     raise AssertionError(case)
@@ -143,7 +161,6 @@ WORKER_CASES = [
     "truncated_safetensors",
     "shapes_disagree_with_config",
     *FAILING_TEMPLATES,
-    "tokenizer_json_corrupt",
     "no_loss_token",
     "resume_of_another_model",
 ]
@@ -183,10 +200,9 @@ def test_worker_mistakes_end_the_process_with_one_clear_line(tmp_path, case):
     ("template", "fragment"),
     [
         ("{{ messages[0]['content'] + 1 }}", "TypeError: can only concatenate str"),
-        ("{% for m in messages %}{{ m }", "TemplateSyntaxError"),
         ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "SecurityError"),
     ],
-    ids=["code_fails", "malformed", "sandbox"],
+    ids=["code_fails", "sandbox"],
 )
 def test_inspect_data_says_a_failing_template_in_one_line(tmp_path, monkeypatch, template, fragment):
     monkeypatch.setenv("SFT_TRAINER_CACHE", str(tmp_path / "cache"))
@@ -196,6 +212,18 @@ def test_inspect_data_says_a_failing_template_in_one_line(tmp_path, monkeypatch,
     message = str(info.value.code)
     assert message.startswith(f"sft-train inspect-data: data.tokenizer={str(tok)!r}: its chat template fails: ")
     assert fragment in message and "\n" not in message
+
+
+def test_inspect_data_refuses_a_template_that_does_not_compile_before_rendering(tmp_path, monkeypatch):
+    monkeypatch.setenv("SFT_TRAINER_CACHE", str(tmp_path / "cache"))
+    tok = _tokenizer_with_template(tmp_path / "tok", "{% for m in messages %}{{ m }")
+    with pytest.raises(SystemExit) as info:
+        main(["inspect-data", "--data.tokenizer", str(tok), "--data.seq_len", "64"])
+    header, line = str(info.value.code).splitlines()
+    assert header == "sft-train inspect-data: invalid configuration:"
+    assert line.endswith(f"data.tokenizer={str(tok)!r} has a chat template that does not compile (line 1): "
+                         "TemplateSyntaxError: unexpected '}'")  # fmt: skip
+    assert not (tmp_path / "cache").exists()  # refused before any row was read
 
 
 def test_under_torchrun_a_mistake_is_said_once(tmp_path):

@@ -146,7 +146,9 @@ def _weight_file_problems(path: str) -> list[str]:
 
 
 def _check_tokenizer(cfg: TrainConfig) -> list[str]:
-    """The tokenizer a checkpoint or config-file model trains with must fit it (presets take its vocabulary)."""
+    """The tokenizer a run renders and tokenizes with loads and has a chat template that compiles; for a
+    checkpoint or config-file model it must fit the model too (presets take its vocabulary)."""
+    from sft_trainer.data.render import chat_template_problem
     from sft_trainer.tokenizer_fit import TOKENIZER_FILES, holds_tokenizer, load_tokenizer, tokenizer_problems
 
     model = cfg.model
@@ -156,8 +158,9 @@ def _check_tokenizer(cfg: TrainConfig) -> list[str]:
             f"data.tokenizer={folder!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): name the folder "
             "a tokenizer was saved to (save_pretrained), or leave it unset (the checkpoint's tokenizer; a preset's shipped one)"
         ]
-    if model.path is None and model.config is None:
-        return []
+    preset = model.path is None and model.config is None
+    if preset and cfg.data.tokenizer is None:
+        return []  # the shipped tokenizer
     if cfg.data.tokenizer is None and model.path is not None:
         if not holds_tokenizer(model.path):
             return [
@@ -174,7 +177,11 @@ def _check_tokenizer(cfg: TrainConfig) -> list[str]:
     except Exception as exc:
         reason = (str(exc).strip().splitlines() or [""])[0]
         return [f"{field} does not load: {type(exc).__name__}: {reason}"]
-    return tokenizer_problems(tokenizer, resolve_model_config(model), field, _model_source(model))
+    template = chat_template_problem(tokenizer)
+    problems = [f"{field} {template}"] if template else []
+    if not preset:
+        problems += tokenizer_problems(tokenizer, resolve_model_config(model), field, _model_source(model))
+    return problems
 
 
 def config_from_dict(data: Mapping[str, Any], source: str | None = None, fetch_weights: bool = True) -> TrainConfig:

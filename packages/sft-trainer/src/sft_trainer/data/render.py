@@ -66,6 +66,26 @@ class ChatTemplateError(Exception):
     in its code (a type error, a division by zero). A ValueError stays a ValueError: the row's data is at fault."""
 
 
+def chat_template_problem(tokenizer: Any) -> str | None:
+    """Why ``tokenizer``'s chat template cannot render a conversation at all (none set, or it does not compile),
+    else None: known from the template alone, before any row is rendered."""
+    try:
+        template = tokenizer.get_chat_template()
+    except ValueError as exc:
+        return f"has no chat template ({one_line(exc, 200)}); sft-train renders every conversation with it"
+    helpers = _template_helpers()
+    if helpers is None:
+        return None  # the rows' renderings say it
+    try:
+        helpers[0](template)
+    except ImportError:
+        return None
+    except Exception as exc:  # jinja2's TemplateSyntaxError, with the template's line
+        lineno = getattr(exc, "lineno", None)
+        return f"has a chat template that does not compile{f' (line {lineno})' if lineno else ''}: {one_line(exc)}"
+    return None
+
+
 class ChatRenderer:
     """``tokenizer``'s chat template with ``chat_template_kwargs``, for many conversations.
 
