@@ -50,6 +50,17 @@ PRE_LAUNCH = [
         "/tok_syntax' has a chat template that does not compile (line 1): TemplateSyntaxError: unexpected '}'",
     ),
     ("no_chat_template", ["--data.tokenizer", "{tmp}/tok_none"], "/tok_none' has no chat template"),
+    ("garbage_parquet", ["--data.path", "{tmp}/garbage.parquet"], "garbage.parquet': cannot read as Parquet ("),
+    (
+        "parquet_without_conversations",
+        ["--data.path", "{tmp}/text.parquet"],
+        "text.parquet': no 'messages' column (columns: ['text'])",
+    ),
+    (
+        "folder_without_data_files",
+        ["--data.path", "{tmp}/tok_none"],
+        "tok_none': directory holds no .jsonl or .parquet",
+    ),
 ]
 
 
@@ -71,6 +82,15 @@ def _bad_tokenizers(tmp_path) -> None:
     _tokenizer_with_template(tmp_path / "tok_none", None)
 
 
+def _bad_data_files(tmp_path) -> None:
+    """The data files PRE_LAUNCH names: bytes that are not Parquet, a Parquet file without a conversation column."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "garbage.parquet").write_bytes(b"PAR1" + bytes(range(256)) * 4)
+    pq.write_table(pa.table({"text": ["hello"]}), tmp_path / "text.parquet")
+
+
 @pytest.mark.parametrize(("overrides", "fragment"), [c[1:] for c in PRE_LAUNCH], ids=[c[0] for c in PRE_LAUNCH])
 def test_pre_launch_mistakes_stop_in_main_with_one_clear_line(tmp_path, monkeypatch, overrides, fragment):
     import torch
@@ -80,6 +100,7 @@ def test_pre_launch_mistakes_stop_in_main_with_one_clear_line(tmp_path, monkeypa
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real_find_spec(name))
     (tmp_path / "file").write_text("x")
     _bad_tokenizers(tmp_path)
+    _bad_data_files(tmp_path)
     argv = [a.replace("{tmp}", str(tmp_path)) for a in overrides]
     if "--output_dir" not in argv:
         argv = ["--output_dir", str(tmp_path / "out"), *argv]

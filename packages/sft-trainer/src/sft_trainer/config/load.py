@@ -98,19 +98,21 @@ def check_config(cfg: TrainConfig, weights: bool = True) -> list[str]:
         if not train.lora.targets:
             problems.append("train.lora.targets=[]: must name at least one linear layer when train.lora.enabled=true")
 
-    from sft_trainer.data.sources import file_type_problem, needs_datasets
+    from sft_trainer.data.sources import file_type_problem, local_files_problem, needs_datasets
 
     for field_name, value, kind in (
         ("data.path", cfg.data_path, "file or folder"),
         ("data.tokenizer", cfg.tokenizer_path, "folder"),
     ):
         if field_name == "data.path" and (problem := file_type_problem(value)):
-            problems.append(f"data.path={value!r}: {problem}")
+            problems.append(f"data.path={value!r}: {problem.removeprefix(f'{value}: ')}")
             continue
         if field_name == "data.path" and needs_datasets(value):
             continue  # a hub id or a glob: the data loader reports it in one line when it cannot be read
         if not Path(value).exists():
             problems.append(f"{field_name}={value!r}: no such {kind}")
+        elif field_name == "data.path" and (problem := local_files_problem(value, data.messages_column)):
+            problems.append(f"data.path={value!r}: {problem.removeprefix(f'{value}: ')}")
     if data.processor is not None:
         if not (Path(data.processor) / "preprocessor_config.json").is_file():
             problems.append(

@@ -26,7 +26,13 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
-from sft_trainer.data.conversations import _JSONL_SUFFIXES, _PARQUET_SUFFIXES, DataError, _expand_paths
+from sft_trainer.data.conversations import (
+    _JSONL_SUFFIXES,
+    _PARQUET_SUFFIXES,
+    DataError,
+    _expand_paths,
+    _open_parquet,
+)
 from sft_trainer.hub import is_hub_id
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
@@ -94,6 +100,40 @@ def file_type_problem(path: str) -> str | None:
     local = Path(path)
     if local.is_file() and local.suffix not in _LOAD_DATASET_SUFFIXES:
         return f"unsupported data file type {local.suffix!r}; use .jsonl, .json or .parquet"
+    return None
+
+
+def parquet_column(path: Path, messages_column: str | None) -> str:
+    """The conversation column of a Parquet file (see :func:`conversation_column`)."""
+    import pyarrow.parquet as pq
+
+    return conversation_column(pq.read_schema(path).names, messages_column)
+
+
+def open_parquet(path: Path, messages_column: str | None):
+    """``(pyarrow ParquetFile, its conversation column)``; DataError naming the file when it does not read as
+    Parquet or has no such column."""
+    try:
+        column = parquet_column(path, messages_column)
+    except DataError:
+        raise
+    except Exception as exc:
+        raise DataError(f"{path}: cannot read as Parquet ({exc})") from exc
+    return _open_parquet(path, column), column
+
+
+def local_files_problem(path: str, messages_column: str | None) -> str | None:
+    """Why the JSONL/Parquet files ``path`` names cannot be read, or None: a folder without data files, a Parquet
+    file whose footer does not read or lacks the conversation column. Only footers are read: said before any
+    worker starts."""
+    if not reads_directly(path):
+        return None
+    try:
+        for file in _expand_paths(path):
+            if file.suffix in _PARQUET_SUFFIXES:
+                open_parquet(file, messages_column)
+    except (DataError, OSError) as exc:
+        return str(exc)
     return None
 
 

@@ -37,14 +37,13 @@ from sft_trainer.data.conversations import (
     DataError,
     OnError,
     _jsonl_rows,
-    _open_parquet,
     _parquet_rows,
     validate_messages,
 )
 from sft_trainer.data.images import VisionTokens, conversation_images
 from sft_trainer.data.render import ChatRenderer
 from sft_trainer.data.shard import Shard, image_reference
-from sft_trainer.data.sources import conversation_column, row_messages
+from sft_trainer.data.sources import open_parquet, parquet_column, row_messages
 
 _MIN_CHUNK_BYTES = 1 << 18
 _MAX_CHUNK_BYTES = 1 << 25
@@ -83,13 +82,6 @@ def default_num_proc() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def parquet_column(path: Path, messages_column: str | None) -> str:
-    """The conversation column of a Parquet file (see :func:`sft_trainer.data.sources.conversation_column`)."""
-    import pyarrow.parquet as pq
-
-    return conversation_column(pq.read_schema(path).names, messages_column)
-
-
 def plan_chunks(files: Sequence[Path], num_proc: int, messages_column: str | None = None) -> list[Chunk]:
     """Chunks of about ``total bytes / (16 * num_proc)`` (within 256 KiB to 32 MiB), cut at line starts: many per
     process, so that processes slowed by other work on the cores still finish close together."""
@@ -98,11 +90,7 @@ def plan_chunks(files: Sequence[Path], num_proc: int, messages_column: str | Non
     chunks: list[Chunk] = []
     for source, path in enumerate(files):
         if path.suffix in _PARQUET_SUFFIXES:
-            try:
-                column = parquet_column(path, messages_column)
-            except Exception as exc:
-                raise DataError(f"{path}: cannot read as Parquet ({exc})") from exc
-            parquet = _open_parquet(path, column)
+            parquet, _ = open_parquet(path, messages_column)
             first = 1
             for group in range(parquet.num_row_groups):
                 chunks.append(Chunk(len(chunks), source, str(path), True, group, group + 1, first))
