@@ -730,9 +730,17 @@ def test_checkpoint_tokenizer_is_the_default_and_must_fit(model_files, tmp_path)
         load_config(None, ["--model.path", str(small)])
     message = str(info.value)
     assert message.count("\n") == 0 and "649 tokens (ids up to 648)" in message and "vocab_size=600" in message
-    with pytest.raises(ConfigError, match=r"data\.tokenizer=.*649 tokens .* vocab_size=128"):
+    with pytest.raises(ConfigError, match=r"the shipped tokenizer .*649 tokens .* vocab_size=128"):
         (tmp_path / "q128.json").write_text(json.dumps(_text_config(vocab_size=128)))
         load_config(None, ["--model.config", str(tmp_path / "q128.json")])
+
+
+def test_messages_name_the_tokenizer_by_where_it_comes_from(model_files):
+    assert load_config(None, []).tokenizer_field == f"the shipped tokenizer {str(SHIPPED_TOKENIZER)!r}"
+    checkpoint = load_config(None, ["--model.path", model_files["dir_q6"]])
+    assert checkpoint.tokenizer_field == f"the tokenizer of model.path={model_files['dir_q6']!r}"
+    given = load_config(None, ["--model.path", model_files["dir_q6"], "--data.tokenizer", str(SHIPPED_TOKENIZER)])
+    assert given.tokenizer_field == f"data.tokenizer={str(SHIPPED_TOKENIZER)!r}"
 
 
 def test_special_tokens_outside_the_vocabulary_are_refused(tmp_path):

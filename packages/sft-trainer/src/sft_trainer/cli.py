@@ -326,9 +326,7 @@ def inspect_data_main(argv: Sequence[str]) -> None:
     except DataError as exc:
         raise SystemExit(f"sft-train inspect-data: data.path={str(cfg.data_path)!r}: {exc}") from None
     except ChatTemplateError as exc:
-        raise SystemExit(
-            f"sft-train inspect-data: data.tokenizer={str(cfg.tokenizer_path)!r}: its chat template fails: {exc}"
-        ) from None
+        raise SystemExit(f"sft-train inspect-data: {cfg.tokenizer_field}: its chat template fails: {exc}") from None
 
 
 def report_main(argv: Sequence[str] | None = None) -> None:

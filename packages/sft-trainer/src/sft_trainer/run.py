@@ -191,7 +191,7 @@ def worker(cfg) -> dict[str, Any]:
         try:
             tokenizer = load_tokenizer(cfg.tokenizer_path)
         except Exception as exc:
-            _stop(rank, f"data.tokenizer={str(cfg.tokenizer_path)!r} does not load: {one_line(exc)}")
+            _stop(rank, f"{cfg.tokenizer_field} does not load: {one_line(exc)}")
         image_processor = None
         if cfg.vision_language and cfg.processor_path:
             from sft_trainer.data import load_image_processor
@@ -202,7 +202,7 @@ def worker(cfg) -> dict[str, Any]:
         except DataError as exc:
             _stop(rank, f"data.path={str(cfg.data_path)!r}: {exc}")
         except ChatTemplateError as exc:
-            _stop(rank, f"data.tokenizer={str(cfg.tokenizer_path)!r}: its chat template fails: {exc}")
+            _stop(rank, f"{cfg.tokenizer_field}: its chat template fails: {exc}")
         if data_stats.loss_tokens == 0:
             _stop(
                 rank,

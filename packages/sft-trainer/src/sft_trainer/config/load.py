@@ -163,15 +163,12 @@ def _check_tokenizer(cfg: TrainConfig) -> list[str]:
     preset = model.path is None and model.config is None
     if preset and cfg.data.tokenizer is None:
         return []  # the shipped tokenizer
-    if cfg.data.tokenizer is None and model.path is not None:
-        if not holds_tokenizer(model.path):
-            return [
-                f"data.tokenizer is unset and model.path={model.path!r} holds no tokenizer (none of tokenizer.json, "
-                "tokenizer_config.json): set data.tokenizer to the tokenizer made for this checkpoint"
-            ]
-        field = f"the tokenizer of model.path={folder!r}"
-    else:
-        field = f"data.tokenizer={folder!r}"
+    if cfg.data.tokenizer is None and model.path is not None and not holds_tokenizer(model.path):
+        return [
+            f"data.tokenizer is unset and model.path={model.path!r} holds no tokenizer (none of tokenizer.json, "
+            "tokenizer_config.json): set data.tokenizer to the tokenizer made for this checkpoint"
+        ]
+    field = cfg.tokenizer_field
     if not Path(folder).is_dir():
         return []  # reported by check_config
     try:

@@ -173,6 +173,15 @@ class TrainConfig(_Section):
         return str(SHIPPED_VL_PROCESSOR if self.vision_language else SHIPPED_TOKENIZER)
 
     @property
+    def tokenizer_field(self) -> str:
+        """How messages name :attr:`tokenizer_path`: the field the user set, or where it comes from."""
+        if self.data.tokenizer:
+            return f"data.tokenizer={self.data.tokenizer!r}"
+        if self.model.path is not None:
+            return f"the tokenizer of model.path={self.model.path!r}"
+        return f"the shipped tokenizer {self.tokenizer_path!r}"
+
+    @property
     def processor_path(self) -> str | None:
         """``data.processor``, or the tokenizer folder when it holds an image processor config, else None."""
         if self.data.processor:
