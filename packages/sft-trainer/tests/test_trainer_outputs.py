@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sft_trainer.checkpoint import check_resume, resume_checkpoint, rng_state, write_extra_state
+from sft_trainer.checkpoint import check_resume, read_extra_state, resume_checkpoint, rng_state, write_extra_state
 from sft_trainer.cli import main
 from sft_trainer.config import load_config, tiny_qwen35_config
 from sft_trainer.run_folder import output_problems, set_aside_previous_run
@@ -57,6 +57,15 @@ def test_resume_checks_name_the_step_the_layout_and_a_foreign_folder(tmp_path):
     cfg = load_config(None, ["--checkpoint.resume", str(other)])
     assert check_resume(cfg, world=2) == [
         f"checkpoint.resume: {other} is not an sft-train checkpoint (no extra-rank0.json in it)"
+    ]
+    # a rank's state from another save: the ranks would resume at different steps
+    mixed = fake_checkpoint(tmp_path / "mixed", step=14, ranks=2)
+    stale = read_extra_state(mixed, 1)
+    write_extra_state(mixed, 1, {**stale, "step": 12}, rng_state())
+    cfg = load_config(None, ["--checkpoint.resume", str(mixed), "--train.steps", "40"])
+    assert check_resume(cfg, world=2) == [
+        f"checkpoint.resume: {mixed} is inconsistent: extra-rank1.json has step=12 and extra-rank0.json step=14; "
+        "resume from another step"
     ]
     # a latest file that is not text: one line
     (tmp_path / "out" / "checkpoints" / "latest").write_bytes(b"\xff\xfe")

@@ -307,6 +307,13 @@ def check_resume(cfg, world: int) -> list[str]:
     if shards:
         return [f"checkpoint.resume: {path} is incomplete: {shards} (resume from an earlier step)"]
     state = states[0]
+    for key in ("step", "train_steps", "grad_accum", "world_size"):
+        other = next((r for r in range(1, world) if states[r][key] != state[key]), None)
+        if other is not None:  # files of different saves mixed into one folder
+            return [
+                f"checkpoint.resume: {path} is inconsistent: {extra_path(path, other).name} has {key}="
+                f"{states[other][key]} and {extra_path(path, 0).name} {key}={state[key]}; resume from another step"
+            ]
     train = cfg.train
     if state["train_steps"] != train.steps:
         problems.append(
