@@ -146,6 +146,10 @@ FAILING_TEMPLATES = {
         "{% for i in range(10**9) %}{% endfor %}",
         "OverflowError: Range too big",
     ),
+    "template_loops_for_hours": (  # 10^10 iterations within the sandbox's range limit; the limit set to 1 s here
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+        "rendering one conversation ran past 1 s",
+    ),
 }
 
 
@@ -192,6 +196,9 @@ def test_worker_mistakes_stop_with_one_clear_line(tmp_path, monkeypatch, capfd, 
     """Every case through the worker itself (in this process, one rank): exit code 1 and one line, no traceback.
     The cases in REAL_PROCESS_CASES run as real ``sft-train`` processes below."""
     overrides, fragment = _worker_case(tmp_path, case)
+    from sft_trainer.data import render
+
+    monkeypatch.setattr(render, "RENDER_LIMIT_S", 1.0)
     started = time.monotonic()
     code = worker_in_process(monkeypatch, ["--output_dir", str(tmp_path / "out"), *_CP1, *overrides])
     seconds = time.monotonic() - started

@@ -219,3 +219,26 @@ def test_no_template_is_reported_as_before(text_tokenizer):
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
     with pytest.raises(ValueError, match="chat template"):
         tokenize_conversation(tokenizer, messages, renderer=renderer)
+
+
+def test_a_template_that_loops_for_hours_stops_at_the_time_limit(text_tokenizer, monkeypatch):
+    """Nested loops within the sandbox's range limit (10^10 iterations) stop at the limit with ChatTemplateError;
+    the process's own SIGALRM handler comes back, and a fast template renders under the same limit."""
+    import signal
+    import time
+
+    from sft_trainer.data import render
+
+    monkeypatch.setattr(render, "RENDER_LIMIT_S", 0.5)
+    tokenizer = copy.deepcopy(text_tokenizer)
+    tokenizer.chat_template = (
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{{ messages[0].content }}"
+    )
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    previous = signal.getsignal(signal.SIGALRM)
+    started = time.monotonic()
+    with pytest.raises(ChatTemplateError, match=r"rendering one conversation ran past 0\.5 s"):
+        tokenize_conversation(tokenizer, messages)
+    assert time.monotonic() - started < 10
+    assert signal.getsignal(signal.SIGALRM) is previous and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert len(tokenize_conversation(text_tokenizer, messages).input_ids) > 0

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sft_trainer.data.images import VisionTokens, _pad_runs, _refuse_placeholder_text, conversation_images, load_image
-from sft_trainer.data.render import ChatRenderer
+from sft_trainer.data.render import ChatRenderer, render_time_limit
 
 if TYPE_CHECKING:
     import torch
@@ -84,6 +84,13 @@ def assistant_spans(
     if end_of_turn is None:
         end_of_turn = _default_end_of_turn(tokenizer)
     markup = list(vars(vision_tokens or VisionTokens()).values())  # vars, not asdict: this runs once a row
+    with render_time_limit():  # the renderings (the template's code) and the searches in them
+        return _spans(renderer, messages, end_of_turn, markup)
+
+
+def _spans(
+    renderer: ChatRenderer, messages: list[dict[str, Any]], end_of_turn: str | None, markup: list[str]
+) -> tuple[str, list[tuple[int, int]]]:
     prepared = renderer.prepare(messages)
     full = renderer.render(prepared, False)
     spans: list[tuple[int, int]] = []

@@ -15,9 +15,12 @@ differ from ``apply_chat_template``'s, every rendering goes through ``apply_chat
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Mapping
+import signal
+import threading
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from sft_trainer.data.images import VisionTokens
@@ -25,6 +28,7 @@ from sft_trainer.job_failure import one_line
 
 # apply_chat_template's own parameters that may come in chat_template_kwargs and that the direct path handles
 _HANDLED = {"tools", "documents", "chat_template"}
+RENDER_LIMIT_S = 60.0  # one conversation's renderings; a real template takes milliseconds
 
 
 def _without_payloads(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -84,6 +88,30 @@ def chat_template_problem(tokenizer: Any) -> str | None:
         lineno = getattr(exc, "lineno", None)
         return f"has a chat template that does not compile{f' (line {lineno})' if lineno else ''}: {one_line(exc)}"
     return None
+
+
+@contextlib.contextmanager
+def render_time_limit(seconds: float | None = None) -> Iterator[None]:
+    """Stop a chat template that runs past ``seconds`` (default :data:`RENDER_LIMIT_S`; a loop within the sandbox's range limit can still run for
+    hours) with :class:`ChatTemplateError`. A timer signal interrupts the rendering, so the limit holds in a
+    process's main thread on POSIX (the tokenizing processes, a rank); elsewhere the block runs unlimited."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+    seconds = RENDER_LIMIT_S if seconds is None else seconds
+
+    def expire(_signum, _frame):
+        raise ChatTemplateError(
+            f"rendering one conversation ran past {seconds:g} s (a template that loops without end?)"
+        )
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 class ChatRenderer:
