@@ -22,16 +22,16 @@ recomputation under checkpointing is not counted (model FLOPs, not hardware FLOP
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import shlex
-import signal
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from sft_trainer.time_limit import time_limit
 
 SHAPES_DIR = Path(__file__).resolve().parents[1] / "packages/sft-trainer/src/sft_trainer/configs/models"
 H200_BF16_TFLOPS = 989.0
@@ -209,25 +209,6 @@ class Timeout(Exception):
     pass
 
 
-@contextlib.contextmanager
-def time_limit(seconds: float | None):
-    """Raise :class:`Timeout` in this (main) thread after ``seconds``; a step that takes too long is reported."""
-    if not seconds:
-        yield
-        return
-
-    def _raise(signum, frame):
-        raise Timeout
-
-    previous = signal.signal(signal.SIGALRM, _raise)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def timed_steps(
     step, ids, device: str, reps: int, warmup: int = 2, limit_s: float | None = None, first_limit_s: float | None = None
 ) -> dict:
@@ -239,7 +220,7 @@ def timed_steps(
     times, first_s = [], None
     try:
         for i in range(warmup + reps):
-            with time_limit((first_limit_s or limit_s) if i == 0 else limit_s):
+            with time_limit((first_limit_s or limit_s) if i == 0 else limit_s, Timeout):
                 if cuda:
                     torch.cuda.synchronize()
                     if i == warmup:

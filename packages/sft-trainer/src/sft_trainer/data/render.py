@@ -18,13 +18,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import signal
-import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from sft_trainer.data.images import VisionTokens
 from sft_trainer.job_failure import one_line
+from sft_trainer.time_limit import time_limit
 
 # apply_chat_template's own parameters that may come in chat_template_kwargs and that the direct path handles
 _HANDLED = {"tools", "documents", "chat_template"}
@@ -90,28 +89,17 @@ def chat_template_problem(tokenizer: Any) -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def render_time_limit(seconds: float | None = None) -> Iterator[None]:
-    """Stop a chat template that runs past ``seconds`` (default :data:`RENDER_LIMIT_S`; a loop within the sandbox's range limit can still run for
-    hours) with :class:`ChatTemplateError`. A timer signal interrupts the rendering, so the limit holds in a
-    process's main thread on POSIX (the tokenizing processes, a rank); elsewhere the block runs unlimited."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
-        yield
-        return
+def render_time_limit(seconds: float | None = None) -> contextlib.AbstractContextManager[None]:
+    """Stop a chat template that runs past ``seconds`` (default :data:`RENDER_LIMIT_S`; a loop within the
+    sandbox's range limit can still run for hours) with :class:`ChatTemplateError`: in a process's main thread on
+    POSIX (the tokenizing processes, a rank), see :func:`sft_trainer.time_limit.time_limit`."""
     seconds = RENDER_LIMIT_S if seconds is None else seconds
-
-    def expire(_signum, _frame):
-        raise ChatTemplateError(
+    return time_limit(
+        seconds,
+        lambda: ChatTemplateError(
             f"rendering one conversation ran past {seconds:g} s (a template that loops without end?)"
-        )
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        ),
+    )
 
 
 class ChatRenderer:
