@@ -4,6 +4,8 @@ build the family's model)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -126,5 +128,42 @@ def test_head_and_expert_counts_must_agree():
     heads, experts = config.num_attention_heads, config.num_experts
     assert str(info.value) == (
         f"qwen3_5_moe_text config: num_attention_heads={heads} must be a multiple of num_key_value_heads={heads - 1}; "
-        f"num_experts_per_tok={experts + 1} must be at most the number of experts ({experts})"
+        f"num_experts_per_tok={experts + 1} must be at most num_experts={experts}"
     )
+
+
+@pytest.mark.parametrize(
+    ("family", "changes", "message"),
+    [
+        (QWEN35, {"hidden_size": 2**30}, "hidden_size=1073741824: must be at most 16777216"),
+        (QWEN35, {"num_hidden_layers": 10**6}, "num_hidden_layers=1000000: must be at most 10000"),
+        (QWEN35, {"rms_norm_eps": -1.0}, "rms_norm_eps=-1.0: must be a finite number >= 0"),
+        (QWEN35, {"rope_parameters": {"rope_type": "default", "rope_theta": 0}}, "rope_theta=0: must be a finite"),
+        (
+            QWEN35,
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 2.0}},
+            "partial_rotary_factor=2.0: must be in (0, 1]",
+        ),
+        (
+            QWEN35,
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.2}},
+            "partial_rotary_factor=0.2 of head_dim=16 rotates 3 dims: must be an even number",
+        ),
+        (NEMOTRON_H, {"layers_block_type": []}, "layers_block_type=[]: the model has no layers"),
+        (NEMOTRON_H, {"n_groups": 3}, "mamba_num_heads=8 must be a multiple of n_groups=3"),
+        (NEMOTRON_H, {"layer_norm_epsilon": float("nan")}, "layer_norm_epsilon=nan: must be a finite number >= 0"),
+        (NEMOTRON_H, {"topk_group": 2}, "topk_group=2 must be at most n_group=1"),
+    ],
+    ids=lambda v: v.name if hasattr(v, "name") else None,
+)
+def test_config_constants_out_of_range_stop_the_build(family, changes, message):
+    from cp_models.config_rules import config_size_problems
+
+    config = _family_configs(family)[0]
+    broken = type(config).from_dict(config.to_dict())
+    for name, value in changes.items():
+        object.__setattr__(broken, name, value)
+    problems = config_size_problems(broken, family.size_fields)
+    assert any(message in p for p in problems), problems
+    with pytest.raises(ContextParallelError, match=re.escape(message)):
+        family.model_class(broken)

@@ -549,6 +549,10 @@ def test_weight_files_that_do_not_load_say_why(tmp_path):
         index.write_text(json.dumps({"weight_map": weight_map}))
         with pytest.raises(error, match=re.escape(message)):
             read_safetensors(tmp_path / "pickled")
+    (tmp_path / "pickled" / "model-00001-of-00001.safetensors").write_bytes(b"\x02\x00")  # a header cut short
+    index.write_text(json.dumps({"weight_map": {"w": "model-00001-of-00001.safetensors"}}))
+    with pytest.raises(ValueError, match=r"model-00001-of-00001\.safetensors: SafetensorError: "):
+        read_safetensors(tmp_path / "pickled")
 
 
 @pytest.mark.parametrize("vl_config", [False, True], ids=["text_config", "vl_config"])

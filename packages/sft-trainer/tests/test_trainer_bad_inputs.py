@@ -13,10 +13,11 @@ import sys
 import time
 
 import pytest
+import torch
 from trainer_runs import one_line_failure, sft_train, worker_in_process
 
 from sft_trainer.cli import main
-from sft_trainer.config import SHIPPED_TOKENIZER
+from sft_trainer.config import SHIPPED_MODEL_CONFIGS, SHIPPED_TOKENIZER
 
 # (case id, overrides, fragment of the message); every case must stop in main, before a worker starts
 PRE_LAUNCH = [
@@ -111,7 +112,7 @@ def test_pre_launch_mistakes_stop_in_main_with_one_clear_line(tmp_path, monkeypa
     message = str(info.value.code)
     assert fragment in message, message
     lines = [line for line in message.splitlines() if line.strip()]
-    assert len(lines) <= 2 and lines[0].startswith("sft-train: "), message  # the line, or a header and the line
+    assert len(lines) == 1 and lines[0].startswith("sft-train: "), message
     assert not (tmp_path / "out").exists()  # nothing written, nothing started
     assert seconds < 10, seconds
 
@@ -159,6 +160,29 @@ def _worker_case(tmp_path, case: str) -> tuple[list[str], str]:
         weights = ckpt / "model.safetensors"
         weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
         return ["--model.path", str(ckpt)], f"sft-train: model.path={str(ckpt)!r} does not load: "
+    if case in ("nan_weights", "integer_weights"):
+        from cp_models.hf_checkpoint import read_safetensors, write_safetensors
+
+        ckpt = _tiny_checkpoint(tmp_path / "ckpt")
+        state = read_safetensors(ckpt)
+        norm = "model.norm.weight"
+        state[norm] = torch.full_like(state[norm], float("nan")) if case == "nan_weights" else state[norm].int()
+        (ckpt / "model.safetensors").unlink()
+        write_safetensors(state, ckpt)
+        reason = (
+            "holds inf or nan in 1 tensor(s) (model.norm.weight)"
+            if case == "nan_weights"
+            else ("weights must be floating point; model.norm.weight (torch.int32) are not")
+        )
+        return ["--model.path", str(ckpt)], f"sft-train: model.path={str(ckpt)!r} " + (
+            reason if case == "nan_weights" else f"does not load: ContextParallelError: {ckpt}: {reason}"
+        )
+    if case == "model_too_large_for_memory":  # sizes within the rules; the weights' 2^48 bytes are not
+        config = tmp_path / "huge.json"
+        text = {**json.loads((SHIPPED_MODEL_CONFIGS / "qwen3_5-0.8b.json").read_text())}
+        text.update(hidden_size=2**23, vocab_size=2**23, num_hidden_layers=1, layer_types=["full_attention"])
+        config.write_text(json.dumps(text))
+        return ["--model.config", str(config)], f"sft-train: model.config={str(config)!r} does not build a model: "
     if case == "shapes_disagree_with_config":
         ckpt = _tiny_checkpoint(tmp_path / "ckpt")
         config = json.loads((ckpt / "config.json").read_text())
@@ -184,6 +208,9 @@ def _worker_case(tmp_path, case: str) -> tuple[list[str], str]:
 
 WORKER_CASES = [
     "truncated_safetensors",
+    "nan_weights",
+    "integer_weights",
+    "model_too_large_for_memory",
     "shapes_disagree_with_config",
     *FAILING_TEMPLATES,
     "no_loss_token",
@@ -247,8 +274,8 @@ def test_inspect_data_refuses_a_template_that_does_not_compile_before_rendering(
     tok = _tokenizer_with_template(tmp_path / "tok", "{% for m in messages %}{{ m }")
     with pytest.raises(SystemExit) as info:
         main(["inspect-data", "--data.tokenizer", str(tok), "--data.seq_len", "64"])
-    header, line = str(info.value.code).splitlines()
-    assert header == "sft-train inspect-data: invalid configuration:"
+    (line,) = str(info.value.code).splitlines()
+    assert line.startswith("sft-train inspect-data: invalid config (")
     assert line.endswith(f"data.tokenizer={str(tok)!r} has a chat template that does not compile (line 1): "
                          "TemplateSyntaxError: unexpected '}'")  # fmt: skip
     assert not (tmp_path / "cache").exists()  # refused before any row was read

@@ -67,6 +67,8 @@ MODEL_FILES = {
     "dropout": _text_config(attention_dropout=0.1),
     "no_heads": _text_config(num_attention_heads=0, linear_num_key_heads=0),
     "float_width": _text_config(hidden_size=96.5),
+    "layers_huge": {**_text_config(num_hidden_layers=10**9), "layer_types": None},  # transformers would loop
+    "eps_negative": _text_config(rms_norm_eps=-1.0),
     "router_loss": _text_config(
         model_type="qwen3_5_moe_text",
         num_experts=4,
@@ -331,11 +333,17 @@ INVALID = [
         ["--model.config", "{float_width}"],
         ["hidden_size", "96.5"],  # transformers' own type check where it has one, else ours
     ),
+    (
+        "layers_huge",
+        ["--model.config", "{layers_huge}"],
+        ["num_hidden_layers=1000000000: must be at most 10000"],
+    ),
+    ("eps_negative", ["--model.config", "{eps_negative}"], ["rms_norm_eps=-1.0: must be a finite number >= 0"]),
     ("nemotron_zero_heads", ["--model.config", "{nemo_no_mamba_heads}"], ["mamba_num_heads=0: must be a positive"]),
     (
         "nemotron_top_k_over_experts",
         ["--model.config", "{nemo_top_k}"],
-        ["num_experts_per_tok=3 must be at most the number of experts (2)"],
+        ["num_experts_per_tok=3 must be at most n_routed_experts=2"],
     ),
     (
         "router_load_balancing_loss",

@@ -203,6 +203,14 @@ def test_report_of_a_missing_or_malformed_run_says_so_in_one_line(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 1 and proc.stderr.strip().count("\n") == 0 and "no such run folder" in proc.stderr
+    (tmp_path / "folder_as_metrics" / "metrics.jsonl").mkdir(parents=True)
+    for given, said in (
+        (tmp_path / "bad" / "metrics.jsonl", f"is a file; name the run folder that holds it ({tmp_path / 'bad'})"),
+        (tmp_path / "folder_as_metrics", "metrics.jsonl: is a folder, not a metrics file"),
+    ):
+        with pytest.raises(SystemExit) as wrong:
+            report_main([str(given)])
+        assert said in str(wrong.value.code)
 
 
 # ---------------------------------------------------------------------------------------------------------

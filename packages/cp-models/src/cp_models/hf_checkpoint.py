@@ -55,7 +55,10 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
     state: dict[str, torch.Tensor] = {}
     for file in safetensors_files(path):
-        state.update(load_file(str(file)))
+        try:
+            state.update(load_file(str(file)))
+        except Exception as exc:  # safetensors' own error names neither the file nor the folder
+            raise ValueError(f"{file}: {type(exc).__name__}: {exc}") from exc
     return state
 
 
@@ -178,6 +181,14 @@ def load_hf_checkpoint(
         state = _tied_head(state, *tied, path)
         expected.discard(tied[0])
     check_checkpoint_keys(state, expected, path)
+    floating = {name for name, t in model.state_dict().items() if t.is_floating_point()}
+    wrong = [
+        f"{name} ({state[name].dtype})"
+        for name in sorted(floating & state.keys())
+        if not state[name].is_floating_point()
+    ]
+    if wrong:
+        raise ContextParallelError(f"{path}: weights must be floating point; {', '.join(wrong[:3])} are not")
     dtype = dtype or auto_dtype(config_dtype, state)
 
     def cast(name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,7 @@ SIZE_FIELDS = (
     "n_routed_experts",
     "num_experts_per_tok",
     "moe_intermediate_size",
+    "moe_shared_expert_intermediate_size",
     "n_group",
     "topk_group",
 )

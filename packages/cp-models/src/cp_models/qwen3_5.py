@@ -65,6 +65,7 @@ SIZE_FIELDS = (
     "num_experts",
     "num_experts_per_tok",
     "moe_intermediate_size",
+    "shared_expert_intermediate_size",
 )
 VL_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")  # vision-language checkpoints: their text_config loads here
 SUPPORTED_MODEL_TYPES = (*TEXT_MODEL_TYPES, *VL_MODEL_TYPES)

@@ -145,7 +145,7 @@ def checked_config(argv: Sequence[str]) -> TrainConfig:
         cfg = load_config(path, overrides)
         dp, cp = cfg.parallel.world_layout()  # the process layout must fit before anything starts
     except ConfigError as exc:
-        raise SystemExit(f"sft-train: invalid configuration:\n{exc}") from None
+        raise SystemExit(f"sft-train: {exc}") from None
     problems = check_resume(cfg, dp * cp) or _data_change(cfg)
     if problems:
         raise SystemExit("sft-train: cannot resume:\n" + "\n".join(f"  - {p}" for p in problems))
@@ -254,7 +254,7 @@ def plan_main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             cfg, gpu_memory_gib=options.get("gpu_memory_gib"), nvlink_gbps=options.get("nvlink_gbps", NVLINK_GBPS)
         )
     except ConfigError as exc:
-        raise SystemExit(f"sft-train plan: invalid configuration:\n{exc}") from None
+        raise SystemExit(f"sft-train plan: {exc}") from None
     if options["json"]:
         print(json.dumps(plan, indent=1, default=_json_default))
     else:
@@ -320,7 +320,7 @@ def inspect_data_main(argv: Sequence[str]) -> None:
         path, overrides = split_config_argument(overrides)
         cfg = load_config(path, overrides, fetch_weights=False)
     except ConfigError as exc:
-        raise SystemExit(f"sft-train inspect-data: invalid configuration:\n{exc}") from None
+        raise SystemExit(f"sft-train inspect-data: {exc}") from None
     try:
         inspect(cfg, options.rows, color)
     except DataError as exc:

@@ -19,7 +19,8 @@ VISION_TOKEN_FIELDS = {
 
 
 class ModelLoadError(RuntimeError):
-    """``model.path`` does not load (missing, truncated or mis-shaped weights): alike on every rank."""
+    """The model does not build or ``model.path`` does not load (missing, truncated or mis-shaped weights, weights
+    holding inf or nan): alike on every rank."""
 
 
 def vision_token_ids(tokenizer) -> dict[str, int]:
@@ -63,11 +64,22 @@ def create_model(cfg: TrainConfig, tokenizer) -> torch.nn.Module:
     model_class = family.model_class_for(hf_config)
     if cfg.model.path:
         try:
-            return model_class.from_pretrained(cfg.model.path, dtype=storage_dtype, **kwargs)
+            model = model_class.from_pretrained(cfg.model.path, dtype=storage_dtype, **kwargs)
         except Exception as exc:
             raise ModelLoadError(f"model.path={cfg.model.path!r} does not load: {one_line(exc)}") from None
+        bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+        if bad:  # every step would be skipped as non-finite, for a reason the run could not name
+            raise ModelLoadError(
+                f"model.path={cfg.model.path!r} holds inf or nan in {len(bad)} tensor(s) ({', '.join(bad[:3])}"
+                f"{', ...' if len(bad) > 3 else ''}): train from a checkpoint whose weights are finite"
+            )
+        return model
     torch.manual_seed(cfg.train.seed)
-    return model_class(hf_config, **kwargs).to(storage_dtype)
+    try:
+        return model_class(hf_config, **kwargs).to(storage_dtype)
+    except Exception as exc:  # e.g. sizes too large for this host's memory
+        source = f"model.config={cfg.model.config!r}" if cfg.model.config else f"model.preset={cfg.model.preset!r}"
+        raise ModelLoadError(f"{source} does not build a model: {one_line(exc)}") from None
 
 
 def build_model(cfg: TrainConfig, tokenizer, mesh: DeviceMesh) -> torch.nn.Module:

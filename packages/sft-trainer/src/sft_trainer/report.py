@@ -34,6 +34,8 @@ def _is_record(record: Any) -> bool:
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl, one per step; ReportError naming the file and line of a malformed one."""
+    if path.is_dir():
+        raise ReportError(f"{path}: is a folder, not a metrics file")
     if not path.is_file():
         raise ReportError(f"{path}: no such file (sft-train writes it into the run's output_dir)")
     try:
@@ -125,6 +127,8 @@ def plot(records: list[dict[str, Any]], png: Path) -> None:
 
 def report(run_dir: Path, metrics: Path | None = None) -> tuple[str, Path | None]:
     """(the summary text, report.png's path or None without matplotlib) for ``run_dir``'s metrics."""
+    if run_dir.is_file():
+        raise ReportError(f"{run_dir}: is a file; name the run folder that holds it ({run_dir.parent})")
     if not run_dir.is_dir():
         raise ReportError(f"{run_dir}: no such run folder")
     records = read_metrics(metrics or run_dir / "metrics.jsonl")

@@ -15,6 +15,7 @@ from sft_trainer.config.models import _check_model, _model_source, resolve_model
 from sft_trainer.config.overrides import _apply_overrides, _submodel, _unknown_key, parse_overrides
 from sft_trainer.config.presets import CONFIGS_DIR, DEFAULT_CONFIG
 from sft_trainer.config.schema import TrainConfig
+from sft_trainer.job_failure import one_line
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -174,8 +175,7 @@ def _check_tokenizer(cfg: TrainConfig) -> list[str]:
     try:
         tokenizer = load_tokenizer(folder)
     except Exception as exc:
-        reason = (str(exc).strip().splitlines() or [""])[0]
-        return [f"{field} does not load: {type(exc).__name__}: {reason}"]
+        return [f"{field} does not load: {one_line(exc)}"]
     template = chat_template_problem(tokenizer)
     problems = [f"{field} {template}"] if template else []
     if not preset:

@@ -96,6 +96,12 @@ def resolve_model_config(model: ModelConfig, vocab_size: int | None = None, toke
             f"{source}: model_type={model_type!r} is not supported; supported model types: "
             f"{', '.join(sorted(supported_types))}"
         )
+    from cp_models.config_rules import size_problem
+
+    # transformers builds a list per layer while it reads the file: a layer count of 10**9 would not return
+    for section in (raw, raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}):
+        if problem := size_problem("num_hidden_layers", section.get("num_hidden_layers")):
+            raise ConfigError(f"{source}: {problem}")
     from transformers import AutoConfig
 
     # Read by transformers itself, as from_pretrained will: it decodes what it writes (e.g. an infinite
@@ -189,12 +195,6 @@ def _check_model(cfg: TrainConfig) -> list[str]:
             problems.append(
                 f"parallel.cp={par.cp} with parallel.attention_cp={par.attention_cp!r} vs the attention heads of "
                 f"{source} (num_attention_heads={q}, num_key_value_heads={kv}): {exc}"
-            )
-    if family == "qwen3_5" and "linear_attention" in layers:
-        k_heads, v_heads = text.linear_num_key_heads, text.linear_num_value_heads
-        if v_heads % k_heads:
-            problems.append(
-                f"{source}: linear_num_value_heads={v_heads} must be a multiple of linear_num_key_heads={k_heads}"
             )
     if family == "qwen3_5" and "linear_attention" in layers:
         from cp_models.qwen3_5 import check_gdn_activation

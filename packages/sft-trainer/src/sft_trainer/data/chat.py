@@ -110,7 +110,10 @@ def _spans(
         for text in filter(None, texts):
             found = _find_reply(full, end, text)
             if found is None:
-                raise ValueError(f"the content of messages[{i}] (assistant) does not appear in the rendered template")
+                raise ValueError(
+                    f"the content of messages[{i}] (assistant) does not appear in the rendered template (a chat "
+                    "template that drops or rewrites replies cannot mark them for the loss)"
+                )
             end = found[1]
         if end_of_turn:
             marker = full.find(end_of_turn, end)
