@@ -112,6 +112,7 @@ MODEL_FILES = {
         "n_routed_experts": 2,
         "num_experts_per_tok": 3,
     },
+    "nemo_bad_pattern": {"model_type": "nemotron_h", "hybrid_override_pattern": "MXM"},
     "nemo_top_k": {
         "model_type": "nemotron_h",
         "hybrid_override_pattern": "ME",
@@ -340,6 +341,11 @@ INVALID = [
     ),
     ("eps_negative", ["--model.config", "{eps_negative}"], ["rms_norm_eps=-1.0: must be a finite number >= 0"]),
     ("nemotron_zero_heads", ["--model.config", "{nemo_no_mamba_heads}"], ["mamba_num_heads=0: must be a positive"]),
+    (
+        "nemotron_unknown_layer_in_pattern",
+        ["--model.config", "{nemo_bad_pattern}"],
+        ["hybrid_override_pattern='MXM': 'X' is not a layer; use M (Mamba-2), * (attention), - (MLP), E (MoE)"],
+    ),
     (
         "nemotron_top_k_over_experts",
         ["--model.config", "{nemo_top_k}"],

@@ -28,6 +28,7 @@ FAMILY_CP_STYLES = {name: family.cp_styles for name, family in FAMILIES.items()}
 LINEAR_NAMES: dict[str, tuple[str, ...]] = {name: family.lora_targets for name, family in FAMILIES.items()}
 NEMOTRON_H_MODEL_TYPES = FAMILIES["nemotron_h"].model_types
 _VL_MODEL_TYPES = FAMILIES["qwen3_5"].vl_model_types
+_PATTERN_LAYERS = {"M": "Mamba-2", "*": "attention", "-": "MLP", "E": "MoE"}  # Nemotron-H's hybrid_override_pattern
 
 
 def is_vision_language(hf_config) -> bool:
@@ -102,6 +103,11 @@ def resolve_model_config(model: ModelConfig, vocab_size: int | None = None, toke
     for section in (raw, raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}):
         if problem := size_problem("num_hidden_layers", section.get("num_hidden_layers")):
             raise ConfigError(f"{source}: {problem}")
+    pattern = raw.get("hybrid_override_pattern")
+    if model_type in NEMOTRON_H_MODEL_TYPES and isinstance(pattern, str) and set(pattern) - set(_PATTERN_LAYERS):
+        unknown = ", ".join(map(repr, sorted(set(pattern) - set(_PATTERN_LAYERS))))
+        layers = ", ".join(f"{c} ({name})" for c, name in _PATTERN_LAYERS.items())
+        raise ConfigError(f"{source}: hybrid_override_pattern={pattern!r}: {unknown} is not a layer; use {layers}")
     from transformers import AutoConfig
 
     # Read by transformers itself, as from_pretrained will: it decodes what it writes (e.g. an infinite
