@@ -140,6 +140,18 @@ def test_skip_mode_counts_malformed_rows(tmp_path):
     assert "row 2" in loaded.skip_reasons[0] and "row 4" in loaded.skip_reasons[1]
 
 
+def test_a_folder_reads_its_data_files_but_not_hidden_ones(tmp_path):
+    """macOS's ``._`` resource forks and files under hidden folders are not data (load_dataset skips them too)."""
+    _write_jsonl(tmp_path / "a.jsonl", [_good("a")])
+    (tmp_path / "sub").mkdir()
+    _write_jsonl(tmp_path / "sub" / "b.jsonl", [_good("b")])
+    (tmp_path / "._a.jsonl").write_bytes(b"\x00\x05\x16\x07 Mac OS X resource fork")
+    (tmp_path / ".cache").mkdir()
+    (tmp_path / ".cache" / "c.jsonl").write_text("{not json")
+    loaded = load_conversations(tmp_path)
+    assert [msgs[0]["content"] for _, _, msgs in loaded] == ["a", "b"]
+
+
 def test_parquet_rows_and_errors(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -150,7 +150,13 @@ def _expand_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> lis
     for item in items:
         path = Path(item)
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.suffix in _JSONL_SUFFIXES + _PARQUET_SUFFIXES)
+            found = sorted(
+                p
+                for p in path.rglob("*")
+                if p.suffix in _JSONL_SUFFIXES + _PARQUET_SUFFIXES
+                # hidden files and folders (macOS's ._ resource forks, .cache) are not data, as for load_dataset
+                and not any(part.startswith(".") for part in p.relative_to(path).parts)
+            )
             if not found:
                 raise DataError(f"{path}: directory holds no .jsonl or .parquet files")
             files.extend(found)
