@@ -43,7 +43,7 @@ PRE_LAUNCH = [
     (
         "tokenizer_json_corrupt",
         ["--data.tokenizer", "{tmp}/tok_corrupt"],
-        "/tok_corrupt' does not load: JSONDecodeError",
+        "/tok_corrupt' does not load: tokenizer.json is not valid JSON (Expecting",
     ),
     (
         "template_syntax_error",
@@ -51,6 +51,11 @@ PRE_LAUNCH = [
         "/tok_syntax' has a chat template that does not compile (line 1): TemplateSyntaxError: unexpected '}'",
     ),
     ("no_chat_template", ["--data.tokenizer", "{tmp}/tok_none"], "/tok_none' has no chat template"),
+    (
+        "chat_template_not_utf8",
+        ["--data.tokenizer", "{tmp}/tok_latin1"],
+        "/tok_latin1' does not load: chat_template.jinja is not UTF-8 text (invalid continuation byte at byte 6)",
+    ),
     ("garbage_parquet", ["--data.path", "{tmp}/garbage.parquet"], "garbage.parquet': cannot read as Parquet ("),
     (
         "parquet_without_conversations",
@@ -81,6 +86,8 @@ def _bad_tokenizers(tmp_path) -> None:
     (corrupt / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE", "vocab": \n[1, 2')
     _tokenizer_with_template(tmp_path / "tok_syntax", "{% for m in messages %}{{ m }")
     _tokenizer_with_template(tmp_path / "tok_none", None)
+    latin1 = _tokenizer_with_template(tmp_path / "tok_latin1", None)
+    (latin1 / "chat_template.jinja").write_bytes("{# café #}".encode("latin-1"))
 
 
 def _bad_data_files(tmp_path) -> None:

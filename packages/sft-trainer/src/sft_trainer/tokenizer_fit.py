@@ -3,6 +3,7 @@ must be rows of the model's embedding, checked before any worker starts."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -10,11 +11,32 @@ from typing import Any
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # VL config field -> the placeholder's name in sft_trainer.data.VisionTokens; the ones a packed row relies on.
 _CHECKED_VISION_FIELDS = {"image_token_id": "image_pad", "vision_start_token_id": "vision_start"}
+# Text files of a tokenizer folder that transformers reads; a broken one is named before its loader's error
+_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.json")
+_TEXT_FILES = (*_JSON_FILES, "chat_template.jinja")
 
 
 def holds_tokenizer(folder: str | Path) -> bool:
     """Whether ``folder`` holds tokenizer files (a checkpoint saved with its tokenizer does)."""
     return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def tokenizer_file_problem(folder: str | Path) -> str | None:
+    """Which of ``folder``'s tokenizer files is not UTF-8 text or (a JSON file) not valid JSON, or None: the
+    loaders' own errors do not name the file."""
+    for name in _TEXT_FILES:
+        path = Path(folder) / name
+        if not path.is_file():
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+            if name in _JSON_FILES:
+                json.loads(text)
+        except UnicodeDecodeError as exc:
+            return f"{name} is not UTF-8 text ({exc.reason} at byte {exc.start})"
+        except ValueError as exc:
+            return f"{name} is not valid JSON ({exc})"
+    return None
 
 
 def load_tokenizer(folder: str | Path) -> Any:

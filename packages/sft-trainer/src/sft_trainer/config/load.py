@@ -152,7 +152,13 @@ def _check_tokenizer(cfg: TrainConfig) -> list[str]:
     """The tokenizer a run renders and tokenizes with loads and has a chat template that compiles; for a
     checkpoint or config-file model it must fit the model too (presets take its vocabulary)."""
     from sft_trainer.data.render import chat_template_problem
-    from sft_trainer.tokenizer_fit import TOKENIZER_FILES, holds_tokenizer, load_tokenizer, tokenizer_problems
+    from sft_trainer.tokenizer_fit import (
+        TOKENIZER_FILES,
+        holds_tokenizer,
+        load_tokenizer,
+        tokenizer_file_problem,
+        tokenizer_problems,
+    )
 
     model = cfg.model
     folder = cfg.tokenizer_path
@@ -172,6 +178,8 @@ def _check_tokenizer(cfg: TrainConfig) -> list[str]:
     field = cfg.tokenizer_field
     if not Path(folder).is_dir():
         return []  # reported by check_config
+    if broken := tokenizer_file_problem(folder):
+        return [f"{field} does not load: {broken}"]
     try:
         tokenizer = load_tokenizer(folder)
     except Exception as exc:
