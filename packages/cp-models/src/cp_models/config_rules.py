@@ -29,6 +29,20 @@ AT_MOST = (
 EPSILONS = ("rms_norm_eps", "layer_norm_epsilon")
 
 
+def multiple_problem(config: Any, multiple: str, divisor: str) -> str | None:
+    """Why ``config``'s ``multiple`` is not a multiple of its ``divisor``, or None (also where either is unset)."""
+    a, b = getattr(config, multiple, None), getattr(config, divisor, None)
+    if a is not None and b is not None and a % b:
+        return f"{multiple}={a} must be a multiple of {divisor}={b}"
+    return None
+
+
+def check_multiple(config: Any, multiple: str, divisor: str) -> None:
+    """Raises :class:`ContextParallelError` with :func:`multiple_problem`'s line (a layer built on its own)."""
+    if problem := multiple_problem(config, multiple, divisor):
+        raise ContextParallelError(problem)
+
+
 def size_problem(name: str, value: Any) -> str | None:
     """Why ``value`` is not a size ``name`` may take (a positive integer up to its limit), or None."""
     if value is None:
@@ -72,10 +86,7 @@ def config_size_problems(config: Any, positive: Iterable[str]) -> list[str]:
         layers = getattr(config, name, None)
         if layers is not None and len(layers) == 0:
             problems.append(f"{name}=[]: the model has no layers")
-    for multiple, divisor in MULTIPLES:
-        a, b = getattr(config, multiple, None), getattr(config, divisor, None)
-        if a is not None and b is not None and a % b:
-            problems.append(f"{multiple}={a} must be a multiple of {divisor}={b}")
+    problems += [p for pair in MULTIPLES if (p := multiple_problem(config, *pair))]
     for small, large in AT_MOST:
         a, b = getattr(config, small, None), getattr(config, large, None)
         if a is not None and b is not None and a > b:

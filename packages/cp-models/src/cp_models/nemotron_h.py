@@ -32,7 +32,7 @@ from cp_core import (
     RecurrentBackend,
 )
 from cp_models.activations import ReLUSquared, activation
-from cp_models.config_rules import check_config_sizes
+from cp_models.config_rules import check_config_sizes, check_multiple
 from cp_models.context_parallel import ContextParallelAttention
 from cp_models.feed_forward import combine_expert_outputs, expert_slot_groups, sort_by_expert, squared_relu_linear
 from cp_models.hf_checkpoint import (
@@ -159,10 +159,7 @@ class NemotronHTopkRouter(nn.Module):
         self.top_k, self.num_experts = config.num_experts_per_tok, config.n_routed_experts
         self.n_group, self.topk_group = config.n_group, config.topk_group
         self.norm_topk_prob, self.routed_scaling_factor = config.norm_topk_prob, config.routed_scaling_factor
-        if self.num_experts % self.n_group:
-            raise ContextParallelError(
-                f"n_routed_experts={self.num_experts} must be a multiple of n_group={self.n_group}"
-            )
+        check_multiple(config, "n_routed_experts", "n_group")
         self.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size, dtype=torch.float32))
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
 

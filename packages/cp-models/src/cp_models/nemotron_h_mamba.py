@@ -31,6 +31,7 @@ from cp_core import (
 from cp_core.head_parallel import check_head_parallel, fused_sequence_to_heads, local_groups, local_heads
 from cp_core.numerics import upcast
 from cp_models.activations import activation
+from cp_models.config_rules import check_multiple
 from cp_models.context_parallel import ContextParallelModule
 from cp_models.norms import GatedRMSNorm
 
@@ -68,10 +69,7 @@ class NemotronHMamba2Mixer(ContextParallelModule):
         self.num_heads, self.head_dim = config.mamba_num_heads, config.mamba_head_dim
         self.n_groups, self.state_size = config.n_groups, config.ssm_state_size
         self.intermediate_size = self.num_heads * self.head_dim
-        if self.num_heads % self.n_groups:
-            raise ContextParallelError(
-                f"mamba_num_heads={self.num_heads} must be a multiple of n_groups={self.n_groups}"
-            )
+        check_multiple(config, "mamba_num_heads", "n_groups")
         self.conv_dim = self.intermediate_size + 2 * self.n_groups * self.state_size
         self.time_step_limit = _time_step_limit(config)
         self.recurrent_backend, self.cp_style = recurrent_backend, cp_style

@@ -32,7 +32,7 @@ from cp_core import (
     gated_delta_rule_cp,
 )
 from cp_models.activations import activation
-from cp_models.config_rules import check_config_sizes
+from cp_models.config_rules import check_config_sizes, check_multiple
 from cp_models.context_parallel import ContextParallelAttention, ContextParallelModule
 from cp_models.feed_forward import combine_expert_outputs, expert_slot_groups, sort_by_expert, swiglu_linear
 from cp_models.hf_checkpoint import (
@@ -218,10 +218,7 @@ class Qwen35GatedDeltaNet(ContextParallelModule):
         self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
         self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         self.key_dim, self.value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
-        if self.num_v_heads % self.num_k_heads:
-            raise ContextParallelError(
-                f"linear_num_value_heads={self.num_v_heads} must be a multiple of linear_num_key_heads={self.num_k_heads}"
-            )
+        check_multiple(config, "linear_num_value_heads", "linear_num_key_heads")
         check_gdn_activation(config.hidden_act)
         self.recurrent_backend = recurrent_backend
         conv_dim = 2 * self.key_dim + self.value_dim
