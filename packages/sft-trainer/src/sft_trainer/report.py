@@ -25,11 +25,10 @@ class ReportError(Exception):
 
 def _is_record(record: Any) -> bool:
     """A metrics line: a numeric step and a numeric loss, or null for a step without loss tokens."""
-    return (
-        isinstance(record, dict)
-        and isinstance(record.get("step"), (int, float))
-        and (record.get("loss", 0) is None or isinstance(record.get("loss"), (int, float)))
-    )
+    if not isinstance(record, dict) or "loss" not in record:
+        return False
+    loss = record["loss"]
+    return isinstance(record.get("step"), (int, float)) and (loss is None or isinstance(loss, (int, float)))
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

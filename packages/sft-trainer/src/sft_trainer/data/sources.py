@@ -115,8 +115,6 @@ def open_parquet(path: Path, messages_column: str | None):
     Parquet or has no such column."""
     try:
         column = parquet_column(path, messages_column)
-    except DataError:
-        raise
     except Exception as exc:
         raise DataError(f"{path}: cannot read as Parquet ({exc})") from exc
     return _open_parquet(path, column), column
