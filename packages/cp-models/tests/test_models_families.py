@@ -157,13 +157,13 @@ def test_head_and_expert_counts_must_agree():
     ids=lambda v: v.name if hasattr(v, "name") else None,
 )
 def test_config_constants_out_of_range_stop_the_build(family, changes, message):
-    from cp_models.config_rules import config_size_problems
+    from cp_models.config_rules import config_problems
 
     config = _family_configs(family)[0]
     broken = type(config).from_dict(config.to_dict())
     for name, value in changes.items():
         object.__setattr__(broken, name, value)
-    problems = config_size_problems(broken, family.size_fields)
+    problems = config_problems(broken, family.size_fields)
     assert any(message in p for p in problems), problems
     with pytest.raises(ContextParallelError, match=re.escape(message)):
         family.model_class(broken)

@@ -74,7 +74,7 @@ def _rope_problems(config: Any) -> list[str]:
     return problems
 
 
-def config_size_problems(config: Any, positive: Iterable[str]) -> list[str]:
+def config_problems(config: Any, positive: Iterable[str]) -> list[str]:
     """One line per broken rule of ``config``: each field of ``positive`` the config sets (not None) is a positive
     integer of a plausible size, the layer list is not empty, head and group counts divide (:data:`MULTIPLES`),
     a token picks at most all experts (:data:`AT_MOST`), norm epsilons are finite and >= 0, and the rotary base
@@ -98,8 +98,8 @@ def config_size_problems(config: Any, positive: Iterable[str]) -> list[str]:
     return problems + _rope_problems(config)
 
 
-def check_config_sizes(config: Any, positive: Iterable[str]) -> None:
-    """Raises :class:`ContextParallelError` with every problem :func:`config_size_problems` finds."""
-    problems = config_size_problems(config, positive)
+def check_config_rules(config: Any, positive: Iterable[str]) -> None:
+    """Raises :class:`ContextParallelError` with every problem :func:`config_problems` finds."""
+    problems = config_problems(config, positive)
     if problems:
         raise ContextParallelError(f"{config.model_type} config: {'; '.join(problems)}")

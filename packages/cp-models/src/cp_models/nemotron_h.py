@@ -32,7 +32,7 @@ from cp_core import (
     RecurrentBackend,
 )
 from cp_models.activations import ReLUSquared, activation
-from cp_models.config_rules import check_config_sizes, check_multiple
+from cp_models.config_rules import check_config_rules, check_multiple
 from cp_models.context_parallel import ContextParallelAttention
 from cp_models.feed_forward import combine_expert_outputs, expert_slot_groups, sort_by_expert, squared_relu_linear
 from cp_models.hf_checkpoint import (
@@ -282,7 +282,7 @@ class NemotronHModel(nn.Module):
         mamba_cp_style: MambaCPStyle = "state_passing",
     ):
         super().__init__()
-        check_config_sizes(config, SIZE_FIELDS)
+        check_config_rules(config, SIZE_FIELDS)
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             NemotronHBlock(config, i, attention_backend, recurrent_backend, mamba_cp_style)

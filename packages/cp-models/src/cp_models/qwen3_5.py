@@ -32,7 +32,7 @@ from cp_core import (
     gated_delta_rule_cp,
 )
 from cp_models.activations import activation
-from cp_models.config_rules import check_config_sizes, check_multiple
+from cp_models.config_rules import check_config_rules, check_multiple
 from cp_models.context_parallel import ContextParallelAttention, ContextParallelModule
 from cp_models.feed_forward import combine_expert_outputs, expert_slot_groups, sort_by_expert, swiglu_linear
 from cp_models.hf_checkpoint import (
@@ -388,7 +388,7 @@ class Qwen35TextModel(nn.Module):
         self, config, attention_backend: AttentionBackend = "auto", recurrent_backend: RecurrentBackend = "auto"
     ):
         super().__init__()
-        check_config_sizes(config, SIZE_FIELDS)
+        check_config_rules(config, SIZE_FIELDS)
         # transformers' padding_idx: the pad token's row gets no gradient
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, getattr(config, "pad_token_id", None))
         self.layers = nn.ModuleList(

@@ -167,9 +167,9 @@ def _check_model(cfg: TrainConfig) -> list[str]:
         layer_types = list(text.layer_types[: text.num_hidden_layers])
         conv_width, conv_name = text.linear_conv_kernel_dim, "GDN conv halo needs linear_conv_kernel_dim"
 
-    from cp_models.config_rules import config_size_problems
+    from cp_models.config_rules import config_problems
 
-    sizes = config_size_problems(text, FAMILIES[family].size_fields)
+    sizes = config_problems(text, FAMILIES[family].size_fields)
     if sizes:  # the checks below divide by these sizes
         return [*problems, *(f"{source}: {problem}" for problem in sizes)]
 
