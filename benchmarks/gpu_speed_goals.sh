@@ -4,14 +4,15 @@
 # unpacked at the start of the same call). Each part tars its results into $OUT/<part>.tgz (a call brings back only
 # a few files):
 #   bash benchmarks/gpu_speed_goals.sh step8k  # 0.8B at 8k: ours (both loss tile kernels), transformers, act. ckpt in
-#                                              # one process; with graphed norms/MLPs; the profile of ours; the
-#                                              # loss alone
+#                                              # one process; with graphed norms/MLPs, and with them compiled as
+#                                              # CUDA graphs; the profile of ours; the loss alone
 #   bash benchmarks/gpu_speed_goals.sh first   # first step of a fresh process, cold and warm (gpu_speed.sh SHIPPED=1);
 #                                              # the GPU tests of the loss tiles, the fused SwiGLU and GatedDecay
 #   bash benchmarks/gpu_speed_goals.sh kernels # with an empty Triton cache: ours' cold first step, then ours,
 #                                              # checkpointed ours and transformers at 8k in that process; the GPU
-#                                              # tests of our kernels; the profile of ours
-#   bash benchmarks/gpu_speed_goals.sh long    # MFU at 32k (0.8B, 2B) and at 128k with checkpointing (2B)
+#                                              # tests of our kernels; ours' warm first step; the profile of ours
+#   bash benchmarks/gpu_speed_goals.sh long    # MFU at 32k (0.8B, 2B) and at 128k with checkpointing (2B); the
+#                                              # profile of ours at 32k (0.8B)
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$(ls -d "$PWD"/packages/*/src | paste -sd:)
 export PYTHONUNBUFFERED=1
@@ -32,6 +33,9 @@ case "$part" in
     timeout "${GRAPHED_S:-100}" python3 benchmarks/model_step.py --out "$res/graphed" --shapes qwen3_5-0.8b \
       --seq-lens 8192 --reps 7 --limit-s 60 --variants "cp_models + graphed norms/MLP" 2>&1 \
       | tee "$res/graphed.log" | grep -E "^\||built|Error"
+    timeout "${COMPILED_S:-150}" python3 benchmarks/model_step.py --out "$res/compiled" --shapes qwen3_5-0.8b \
+      --seq-lens 8192 --reps 7 --limit-s 60 --first-step-limit-s 120 \
+      --variants "cp_models + compiled norms/MLP (CUDA graphs)" 2>&1 | tee "$res/compiled.log" | grep -E "^\||built|Error"
     timeout "${PROFILE_S:-90}" python3 benchmarks/profile_qwen35.py --seq-len 8192 --variants ours --out "$res/profile" \
       2>&1 | tee "$res/profile.log" | tail -16
     timeout "${LOSS_S:-60}" python3 benchmarks/loss_moe_memory.py --tokens 8192 --tile-kernels torch triton \
@@ -58,6 +62,12 @@ case "$part" in
       packages/cp-models/tests/test_models_mlp.py::test_recomputing_swiglu_on_cuda_bf16_keeps_half_and_matches \
       packages/cp-models/tests/test_models_mlp.py::test_compiled_mlp_with_the_swiglu_kernels_matches_eager \
       packages/cp-models/tests/test_models_qwen35_gpu.py::test_tiled_loss_bf16_on_cuda 2>&1 | tee "$res/tests.log" | tail -4
+    # warm: a new process over the Triton cache the runs above filled
+    timeout "${WARM_S:-60}" python3 benchmarks/model_step.py --out "$res/warm" \
+      --shapes qwen3_5-0.8b --seq-lens 8192 --reps 3 --limit-s 30 --variants cp_models 2>&1 | tee "$res/warm.log" \
+      | grep -E "^\||built"
+    python3 -c "import json,sys; print('warm first step s:', json.load(open(sys.argv[1]))['rows'][0].get('first_step_s'))" \
+      "$res/warm/model_step.json"
     timeout "${PROFILE_S:-90}" python3 benchmarks/profile_qwen35.py --seq-len 8192 --variants ours --out "$res/profile" \
       2>&1 | tee "$res/profile.log" | tail -16
     ;;
@@ -68,6 +78,8 @@ case "$part" in
     timeout "${LONG_S:-240}" python3 benchmarks/model_step.py --out "$res/128k" --shapes qwen3_5-2b --seq-lens 131072 \
       --reps 1 --limit-s 90 --first-step-limit-s 150 --variants "cp_models + act. ckpt" 2>&1 \
       | tee "$res/128k.log" | grep -E "^\||built"
+    timeout "${PROFILE_S:-90}" python3 benchmarks/profile_qwen35.py --seq-len 32768 --variants ours \
+      --out "$res/profile32k" 2>&1 | tee "$res/profile32k.log" | tail -16
     ;;
   *)
     echo "unknown part $part: step8k, first, kernels or long" >&2

@@ -58,6 +58,8 @@ VARIANTS = {
     "cp_models + torch loss tiles": "eager, the loss tiles' passes as torch ops instead of Triton kernels",
     "cp_models + graphed norms/MLP": "eager, each block's two norms and its MLP replayed as CUDA graphs "
     "(torch.cuda.make_graphed_callables, captured at the first row's length; Qwen3.5 dense, one length per run)",
+    "cp_models + compiled norms/MLP (CUDA graphs)": "each block's two norms and its MLP under torch.compile's "
+    "mode='reduce-overhead' (Inductor kernels replayed as CUDA graphs; Qwen3.5 dense)",
     "cp_models + act. ckpt": "activation checkpointing of every block",
     "cp_models + act. ckpt + compile": "checkpointing and torch.compile of norms and MLP/MoE",
     "cp_models + mamba-ssm": "eager, Mamba-2 conv and SSD on causal-conv1d and mamba-ssm (recurrent_backend mamba_ssm)",
@@ -174,7 +176,11 @@ def build(variant: str, config, device: str):
         model.loss_tile_kernels = "torch"
     if "ckpt" in variant:
         apply_activation_checkpointing(model)
-    if "compile" in variant:
+    if "reduce-overhead" in VARIANTS[variant]:
+        for layer in model.decoder_layers():
+            for module in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp):
+                module.compile(mode="reduce-overhead")
+    elif "compile" in variant:
         apply_compile(model)
 
     graphed_at = []
