@@ -153,6 +153,16 @@ def test_head_and_expert_counts_must_agree():
         (NEMOTRON_H, {"n_groups": 3}, "mamba_num_heads=8 must be a multiple of n_groups=3"),
         (NEMOTRON_H, {"layer_norm_epsilon": float("nan")}, "layer_norm_epsilon=nan: must be a finite number >= 0"),
         (NEMOTRON_H, {"topk_group": 2}, "topk_group=2 must be at most n_group=1"),
+        (
+            NEMOTRON_H,
+            {"n_routed_experts": 4, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 2},
+            "n_routed_experts=4 in n_group=4 groups is 1 expert a group",
+        ),
+        (
+            NEMOTRON_H,
+            {"n_routed_experts": 8, "n_group": 4, "topk_group": 1, "num_experts_per_tok": 3},
+            "num_experts_per_tok=3 must be at most topk_group=1 x 2 experts a group",
+        ),
     ],
     ids=lambda v: v.name if hasattr(v, "name") else None,
 )

@@ -508,6 +508,33 @@ def test_save_pretrained_leaves_the_model_config_unchanged(moe, tmp_path):
     assert ours.config.to_dict() == before
 
 
+def test_a_save_over_an_earlier_save_leaves_only_its_own_weight_files(tmp_path):
+    """A single-file save over a sharded one (and the reverse) removes the other layout's files, and a folder that
+    holds both (transformers leaves an old index behind) is read as transformers reads it: model.safetensors."""
+    config = make_config(True, layer_types=[LIN, FULL])
+    first, second = _our_model(config, seed=33), _our_model(config, seed=34)
+    folder = tmp_path / "ckpt"
+    write_safetensors(first.state_dict(), folder, max_shard_bytes=8 * 1024)
+    (folder / "notes.txt").write_text("kept")
+    second.save_pretrained(folder)
+    assert sorted(f.name for f in folder.iterdir()) == ["config.json", "model.safetensors", "notes.txt"]
+    loaded = Qwen35ForCausalLM.from_pretrained(folder)
+    for name, t in second.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], t), name
+
+    write_safetensors(read_safetensors(folder), folder, max_shard_bytes=8 * 1024)
+    assert not (folder / "model.safetensors").exists() and (folder / "model.safetensors.index.json").exists()
+
+    both = tmp_path / "both"  # complete shards of one model beside the single file of another
+    write_safetensors(first.state_dict(), both, max_shard_bytes=8 * 1024)
+    shutil.copy(folder / "config.json", both / "config.json")
+    write_safetensors(second.state_dict(), tmp_path / "single")
+    shutil.copy(tmp_path / "single" / "model.safetensors", both / "model.safetensors")
+    loaded = Qwen35ForCausalLM.from_pretrained(both)
+    for name, t in second.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], t), name
+
+
 def test_sharded_checkpoint_loads(tmp_path):
     config = make_config(True, layer_types=[LIN, FULL])
     ours = _our_model(config, seed=31)

@@ -55,6 +55,27 @@ def size_problem(name: str, value: Any) -> str | None:
     return None
 
 
+def _routing_group_problems(config: Any) -> list[str]:
+    """Grouped routing (``n_group`` > 1) scores a group by its two best experts and picks the top-k among the
+    ``topk_group`` best groups' experts: each group needs two experts, and the chosen groups hold the top-k."""
+    groups, experts = getattr(config, "n_group", None), getattr(config, "n_routed_experts", None)
+    top_k, top_groups = getattr(config, "num_experts_per_tok", None), getattr(config, "topk_group", None)
+    if not groups or groups <= 1 or not experts or experts % groups:
+        return []
+    per_group = experts // groups
+    if per_group < 2:
+        return [
+            f"n_routed_experts={experts} in n_group={groups} groups is {per_group} expert a group: grouped routing "
+            "scores a group by its two best experts; use n_group <= n_routed_experts / 2"
+        ]
+    if top_k is not None and top_groups is not None and top_k > top_groups * per_group:
+        return [
+            f"num_experts_per_tok={top_k} must be at most topk_group={top_groups} x {per_group} experts a group "
+            f"(n_routed_experts={experts} / n_group={groups}): the top-k is chosen within the best groups only"
+        ]
+    return []
+
+
 def _rope_problems(config: Any) -> list[str]:
     rope = getattr(config, "rope_parameters", None) or {}
     theta = rope.get("rope_theta", getattr(config, "rope_theta", None)) if isinstance(rope, dict) else None
@@ -77,8 +98,8 @@ def _rope_problems(config: Any) -> list[str]:
 def config_problems(config: Any, positive: Iterable[str]) -> list[str]:
     """One line per broken rule of ``config``: each field of ``positive`` the config sets (not None) is a positive
     integer of a plausible size, the layer list is not empty, head and group counts divide (:data:`MULTIPLES`),
-    a token picks at most all experts (:data:`AT_MOST`), norm epsilons are finite and >= 0, and the rotary base
-    and fraction are in range."""
+    a token picks at most all experts (:data:`AT_MOST`) and grouped routing has the experts it picks from, norm
+    epsilons are finite and >= 0, and the rotary base and fraction are in range."""
     problems = [p for name in positive if (p := size_problem(name, getattr(config, name, None)))]
     if problems:
         return problems
@@ -95,6 +116,8 @@ def config_problems(config: Any, positive: Iterable[str]) -> list[str]:
         eps = getattr(config, name, None)
         if eps is not None and not (isinstance(eps, int | float) and math.isfinite(eps) and eps >= 0):
             problems.append(f"{name}={eps!r}: must be a finite number >= 0")
+    if not problems:  # the group arithmetic needs the sizes and multiples above to hold
+        problems += _routing_group_problems(config)
     return problems + _rope_problems(config)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
@@ -17,14 +18,15 @@ PICKLE_WEIGHTS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt")
 
 
 def safetensors_files(path: str | os.PathLike) -> list[Path]:
-    """The safetensors files of a HF checkpoint folder (one file, or the shards its index names). Raises
+    """The safetensors files of a HF checkpoint folder: ``model.safetensors`` where it exists, else the shards its
+    index names (transformers' order: a folder saved over an older sharded save may keep the old index). Raises
     FileNotFoundError or ValueError with one line naming what is missing or wrong; pickle weights are never read
     (unpickling can run code)."""
     path = Path(path)
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
     index = path / "model.safetensors.index.json"
     if not index.exists():
-        if (path / "model.safetensors").is_file():
-            return [path / "model.safetensors"]
         pickles = sorted({f.name for pattern in PICKLE_WEIGHTS for f in path.glob(pattern)})
         hint = (
             f"; it holds {', '.join(pickles)}: pickle weights, never loaded (unpickling can run code); save the "
@@ -65,7 +67,9 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 def write_safetensors(
     state: Mapping[str, torch.Tensor], path: str | os.PathLike, max_shard_bytes: int = 5 * 2**30
 ) -> None:
-    """Write ``state`` as HF safetensors (sharded with an index above ``max_shard_bytes``)."""
+    """Write ``state`` as HF safetensors (sharded with an index above ``max_shard_bytes``), removing the weight
+    files of an earlier save into ``path`` that this one does not rewrite (a stale index or shard would be read
+    with, or instead of, the new weights)."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -79,18 +83,34 @@ def write_safetensors(
             size = 0
         shards[-1][name] = tensor.detach().contiguous().cpu()
         size += nbytes
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    for stale in _weight_files(path) - set(names):
+        (path / stale).unlink()
     if len(shards) == 1:
         save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
         return
     weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    for fname, shard in zip(names, shards, strict=True):
         save_file(shard, str(path / fname), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, fname))
     total = sum(t.numel() * t.element_size() for t in state.values())
     (path / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
     )
+
+
+def _weight_files(path: Path) -> set[str]:
+    """The names of the safetensors weight files (and index) a save into ``path`` writes."""
+    shard = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+    return {
+        f.name
+        for f in path.iterdir()
+        if f.is_file() and (f.name in ("model.safetensors", "model.safetensors.index.json") or shard.fullmatch(f.name))
+    }
 
 
 def check_checkpoint_keys(state: Mapping[str, torch.Tensor], expected: Iterable[str], path: str | os.PathLike) -> None:
