@@ -213,6 +213,45 @@ def test_report_of_a_missing_or_malformed_run_says_so_in_one_line(tmp_path):
         assert said in str(wrong.value.code)
 
 
+@pytest.mark.parametrize(
+    "line,said",
+    [
+        ('{"step": 1e400, "loss": 1.0}', "step=Infinity: a step is a whole number >= 0"),
+        ('{"step": true, "loss": 1.0}', "step=true: a step is a whole number >= 0"),
+        ('{"step": 2.5, "loss": 1.0}', "step=2.5: a step is a whole number >= 0"),
+        ('{"step": -1, "loss": 1.0}', "step=-1: a step is a whole number >= 0"),
+        ('{"step": 1, "loss": false}', "loss=false: a loss is a number, or null for a step without loss tokens"),
+        ('{"step": 1, "loss": "abc"}', 'loss="abc": a loss is a number, or null for a step without loss tokens'),
+        ('{"loss": 1.0}', "no step; a record has a step and a loss"),
+        ('{"step": 1}', "no loss; a record has a step and a loss"),
+        ("[1, 2]", "needs a JSON object with a step and a loss, got [1, 2]"),
+    ],
+)
+def test_report_refuses_a_record_whose_step_or_loss_breaks_the_rule(tmp_path, line, said):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n' + line + "\n")
+    with pytest.raises(SystemExit) as refused:
+        report_main([str(tmp_path)])
+    assert refused.value.code == f"sft-train report: {tmp_path / 'metrics.jsonl'}:2: not a metrics record ({said})"
+
+
+def test_report_counts_a_non_finite_loss_as_skipped_and_says_n_a_memory_without_a_unit(tmp_path):
+    """The trainer skips a step whose loss is not finite (and writes NaN or Infinity for it): the summary counts it
+    as skipped even where the record lacks its "skipped" mark, and leaves it out of the loss numbers."""
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 1, "loss": 3.0}\n{"step": 2, "loss": NaN}\n{"step": 3, "loss": Infinity, "skipped": true}\n'
+        '{"step": 4, "loss": 2.5}\n'
+    )
+    summary = summarize(read_metrics(tmp_path / "metrics.jsonl"))
+    assert (summary["skipped"], summary["first_loss"], summary["last_loss"], summary["last_step"]) == (2, 3.0, 2.5, 4)
+    assert format_summary(summary).splitlines() == [
+        "steps: 4 (last step 4), skipped (non-finite): 2",
+        "loss: first 3.0000, last 2.5000, min 2.5000",
+        "tokens/s (median): n/a",
+        "peak memory: n/a",
+        "time in steps: 0.0 s",
+    ]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # One run, stdout a pipe: plain lines, the report at the end, and the offline wandb run's contents
 

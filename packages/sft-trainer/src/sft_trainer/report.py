@@ -23,12 +23,25 @@ class ReportError(Exception):
     """A run folder or metrics file that cannot be reported on (the message is one line)."""
 
 
-def _is_record(record: Any) -> bool:
-    """A metrics line: a numeric step and a numeric loss, or null for a step without loss tokens."""
-    if not isinstance(record, dict) or "loss" not in record:
-        return False
+def _record_problem(record: Any) -> str | None:
+    """Why a parsed metrics line is not a record the trainer writes, or None: a step that is a whole number >= 0
+    and a loss that is a number (NaN / Infinity for a skipped step) or null (a step without loss tokens)."""
+    if not isinstance(record, dict):
+        return f"needs a JSON object with a step and a loss, got {json.dumps(record)[:80]}"
+    if "step" not in record or "loss" not in record:
+        return f"no {'step' if 'step' not in record else 'loss'}; a record has a step and a loss"
+    step, loss = record["step"], record["loss"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return f"step={json.dumps(step)[:80]}: a step is a whole number >= 0"
+    if loss is not None and (isinstance(loss, bool) or not isinstance(loss, (int, float))):
+        return f"loss={json.dumps(loss)[:80]}: a loss is a number, or null for a step without loss tokens"
+    return None
+
+
+def _skipped(record: dict[str, Any]) -> bool:
+    """A step the trainer did not apply: marked skipped, or its loss is not finite (the trainer skips those)."""
     loss = record["loss"]
-    return isinstance(record.get("step"), (int, float)) and (loss is None or isinstance(loss, (int, float)))
+    return bool(record.get("skipped")) or (loss is not None and not math.isfinite(loss))
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -49,10 +62,8 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
             record = json.loads(line)
         except ValueError as exc:
             raise ReportError(f"{path}:{number}: not a JSON object: {exc}") from None
-        if not _is_record(record):
-            raise ReportError(
-                f"{path}:{number}: not a metrics record (needs a numeric step, and a loss that is a number or null)"
-            )
+        if problem := _record_problem(record):
+            raise ReportError(f"{path}:{number}: not a metrics record ({problem})")
         records.append(record)
     if not records:
         raise ReportError(f"{path}: holds no steps")
@@ -67,13 +78,13 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Steps, first / last / min loss of the steps that were applied, median tokens/s, peak memory, skipped steps,
     steps without loss tokens and the time spent in steps (the sum of step_time_s; startup and checkpoints not
     included)."""
-    applied = [r for r in records if not r.get("skipped")]
+    applied = [r for r in records if not _skipped(r)]
     losses = _values(applied, "loss")
     tokens_per_s = _values(records, "tokens_per_s")
     memory = _values(records, "memory_gib")
     return {
         "steps": len(records),
-        "last_step": int(records[-1]["step"]),
+        "last_step": records[-1]["step"],
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
         "min_loss": min(losses) if losses else None,
@@ -96,7 +107,8 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"loss: first {num(summary['first_loss'], '.4f')}, last {num(summary['last_loss'], '.4f')}, "
             f"min {num(summary['min_loss'], '.4f')}",
             f"tokens/s (median): {num(summary['median_tokens_per_s'], '.0f')}",
-            f"peak memory: {num(summary['peak_memory_gib'], '.2f')} GiB",
+            "peak memory: "
+            + ("n/a" if summary["peak_memory_gib"] is None else f"{summary['peak_memory_gib']:.2f} GiB"),
             f"time in steps: {summary['step_time_s']:.1f} s",
         ]
     )
@@ -118,7 +130,7 @@ def plot(records: list[dict[str, Any]], png: Path) -> None:
         ax.grid(alpha=0.3)
         if key == "loss":
             for record in records:
-                if record.get("skipped"):
+                if _skipped(record):
                     ax.axvline(record["step"], color="red", alpha=0.4, linewidth=0.8)
     axes[-1].set_xlabel("step")
     fig.savefig(png, dpi=100)
