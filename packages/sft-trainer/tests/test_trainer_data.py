@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from itertools import accumulate
 from pathlib import Path
 
@@ -150,6 +151,34 @@ def test_a_folder_reads_its_data_files_but_not_hidden_ones(tmp_path):
     (tmp_path / ".cache" / "c.jsonl").write_text("{not json")
     loaded = load_conversations(tmp_path)
     assert [msgs[0]["content"] for _, _, msgs in loaded] == ["a", "b"]
+
+
+def test_a_folder_named_like_a_data_file_is_searched_and_other_entries_are_refused(tmp_path):
+    """A folder ``x.jsonl`` is a folder (its files are read); a FIFO would block the reader and a link to nothing
+    fail it, so each is named in one line, before any worker starts (the pre-launch check reads the same list)."""
+    from sft_trainer.data.sources import file_type_problem, local_files_problem
+
+    _write_jsonl(tmp_path / "a.jsonl", [_good("a")])
+    (tmp_path / "inner.jsonl").mkdir()
+    _write_jsonl(tmp_path / "inner.jsonl" / "b.jsonl", [_good("b")])
+    assert [msgs[0]["content"] for _, _, msgs in load_conversations(tmp_path)] == ["a", "b"]
+    assert local_files_problem(str(tmp_path), None) is None
+
+    (tmp_path / "c.jsonl").symlink_to(tmp_path / "gone.jsonl")
+    problem = local_files_problem(str(tmp_path), None)
+    assert (
+        problem == f"{tmp_path / 'c.jsonl'} (in data folder {tmp_path}): a symbolic link to nothing (its target "
+        "is missing); remove it or move it out"
+    )
+    assert file_type_problem(str(tmp_path / "c.jsonl")) == "a symbolic link to nothing (its target is missing)"
+    (tmp_path / "c.jsonl").unlink()
+
+    os.mkfifo(tmp_path / "d.jsonl")
+    assert "d.jsonl (in data folder" in local_files_problem(str(tmp_path), None)
+    assert "not a regular file (a FIFO" in local_files_problem(str(tmp_path), None)
+    with pytest.raises(DataError, match=r"d\.jsonl .*not a regular file"):
+        load_conversations(tmp_path)
+    assert file_type_problem(str(tmp_path / "d.jsonl")).startswith("not a regular file (a FIFO")
 
 
 def test_parquet_rows_and_errors(tmp_path):

@@ -144,6 +144,18 @@ def _describe(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def not_a_regular_file(path: Path) -> str | None:
+    """Why the existing entry ``path`` cannot be read as a data file (a FIFO or a device would block the reader, a
+    link that leads nowhere fails it), or None for a regular file, a folder or a path that does not exist."""
+    if path.is_file() or path.is_dir():
+        return None
+    if path.is_symlink():
+        return "a symbolic link to nothing (its target is missing)"
+    if path.exists():
+        return "not a regular file (a FIFO, socket or device); data files are read whole"
+    return None
+
+
 def _expand_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
     items = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
     files: list[Path] = []
@@ -156,12 +168,18 @@ def _expand_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> lis
                 if p.suffix in _JSONL_SUFFIXES + _PARQUET_SUFFIXES
                 # hidden files and folders (macOS's ._ resource forks, .cache) are not data, as for load_dataset
                 and not any(part.startswith(".") for part in p.relative_to(path).parts)
+                and not p.is_dir()  # a folder named like a data file: rglob lists its files too
             )
+            for entry in found:
+                if problem := not_a_regular_file(entry):
+                    raise DataError(f"{entry} (in data folder {path}): {problem}; remove it or move it out")
             if not found:
                 raise DataError(f"{path}: directory holds no .jsonl or .parquet files")
             files.extend(found)
         elif path.is_file():
             files.append(path)
+        elif problem := not_a_regular_file(path):
+            raise DataError(f"{path}: {problem}")
         else:
             raise FileNotFoundError(f"data file not found: {path}")
     if not files:

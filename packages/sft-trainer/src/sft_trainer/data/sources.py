@@ -32,6 +32,7 @@ from sft_trainer.data.conversations import (
     DataError,
     _expand_paths,
     _open_parquet,
+    not_a_regular_file,
 )
 from sft_trainer.hub import is_hub_id
 
@@ -98,6 +99,8 @@ def reads_directly(path: str) -> bool:
 def file_type_problem(path: str) -> str | None:
     """Why no reader takes the existing file ``path`` (its suffix), or None: said before any worker starts."""
     local = Path(path)
+    if problem := not_a_regular_file(local):
+        return problem
     if local.is_file() and local.suffix not in _LOAD_DATASET_SUFFIXES:
         return f"unsupported data file type {local.suffix!r}; use .jsonl, .json or .parquet"
     return None
