@@ -199,6 +199,21 @@ def test_parquet_rows_and_errors(tmp_path):
         load_conversations(tmp_path / "other.parquet", on_error="skip")  # a file-level problem always raises
 
 
+def test_a_row_the_chat_template_fails_on_is_named_and_skippable(tmp_path, tokenizer):
+    """The shipped template takes string content only: a row of text parts fails in it. That row is named (file and
+    row, with the likely cause), stops the build under on_error='raise' and is skipped under 'skip'."""
+    parts = json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                                     {"role": "assistant", "content": "ok"}]})  # fmt: skip
+    path = _write_jsonl(tmp_path / "chats.jsonl", [_good("a"), parts, _good("b")])
+    with pytest.raises(DataError) as info:
+        PackedDataset.build(path, tokenizer, 64)
+    assert "chats.jsonl: row 2: the chat template fails on this conversation: TypeError" in str(info.value)
+    assert str(info.value).endswith("its content is a list of parts, which this template may not take: give text "
+                                    "as a string")  # fmt: skip
+    dataset = PackedDataset.build(path, tokenizer, 64, on_error="skip")
+    assert dataset.stats.skipped_malformed == 1 and dataset.stats.documents == 2
+
+
 def test_skipped_rows_reach_the_dataset_stats(tmp_path, tokenizer):
     path = _write_jsonl(tmp_path / "chats.jsonl", [_good("a"), "{bad", _good("b")])
     dataset = PackedDataset.build(path, tokenizer, 64, on_error="skip")
@@ -221,6 +236,22 @@ def test_loss_mask_covers_exactly_the_assistant_replies(tokenizer, conversations
         # Everything unmasked is template, system or user text.
         unmasked = tokenizer.decode([t for t, f in zip(ids, mask, strict=True) if not f])
         assert all(m["content"] in unmasked for m in messages if m["role"] != "assistant")
+
+
+def test_a_conversation_that_opens_with_a_reply_trains_on_its_text(tokenizer):
+    """A reply at messages[0] has nothing rendered before it (apply_chat_template refuses an empty conversation): its
+    span starts at its own text, after the template's role header."""
+    messages = [
+        {"role": "assistant", "content": "hello there"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "how can I help"},
+    ]
+    ids, mask = tokenize_conversation(tokenizer, messages)
+    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(messages, tokenize=False)
+    assert [tokenizer.decode(run) for run in _masked_runs(ids, mask)] == [
+        "hello there<|im_end|>",
+        "how can I help<|im_end|>",
+    ]
 
 
 def test_empty_assistant_turn_adds_no_loss_tokens(tokenizer):

@@ -100,13 +100,17 @@ def _spans(
         texts = [content] if isinstance(content, str) else [p["text"] for p in content if p["type"] == "text"]
         if message["role"] != "assistant" or not any(texts):
             continue
-        prefix = renderer.render(prepared[:i], True)
-        if not full.startswith(prefix):
-            raise ValueError(
-                f"the chat template is not prefix-stable at messages[{i}]: rendering the messages before it with "
-                "add_generation_prompt=True is not a prefix of the whole conversation's rendering"
-            )
-        start = end = len(prefix)
+        if i == 0:  # nothing before it to render (apply_chat_template refuses an empty list): it starts at its text
+            found = _find_reply(full, 0, next(filter(None, texts)))
+            start = end = len(full) if found is None else found[0]
+        else:
+            prefix = renderer.render(prepared[:i], True)
+            if not full.startswith(prefix):
+                raise ValueError(
+                    f"the chat template is not prefix-stable at messages[{i}]: rendering the messages before it "
+                    "with add_generation_prompt=True is not a prefix of the whole conversation's rendering"
+                )
+            start = end = len(prefix)
         for text in filter(None, texts):
             found = _find_reply(full, end, text)
             if found is None:

@@ -25,7 +25,7 @@ from sft_trainer.data.conversations import (
 )
 from sft_trainer.data.images import VisionTokens
 from sft_trainer.data.packing import PackedRow, PackStats, pack_examples
-from sft_trainer.data.render import ChatRenderer
+from sft_trainer.data.render import ChatRenderer, ChatTemplateError, ChatTemplateTimeout, template_row_error
 
 
 class PackedDataset(Dataset):
@@ -125,7 +125,11 @@ class PackedDataset(Dataset):
                         renderer=renderer,
                     )
                 )
-            except ValueError as exc:
+            except ChatTemplateTimeout:
+                raise
+            except (ValueError, ChatTemplateError) as exc:
+                if isinstance(exc, ChatTemplateError):
+                    exc = template_row_error(exc, messages)
                 if on_error == "skip":
                     skipped_malformed += 1
                     continue

@@ -69,6 +69,19 @@ class ChatTemplateError(Exception):
     in its code (a type error, a division by zero). A ValueError stays a ValueError: the row's data is at fault."""
 
 
+class ChatTemplateTimeout(ChatTemplateError):
+    """The chat template ran past the time limit on one conversation: it stops the job rather than a row, as every
+    row would take as long."""
+
+
+def template_row_error(exc: ChatTemplateError, messages: list[dict[str, Any]]) -> ValueError:
+    """A template that fails on one row (its role checks, a type it does not take) is that row's problem: named with
+    its file and row, and skipped under ``on_error="skip"``."""
+    parts = any(isinstance(m["content"], list) for m in messages)
+    hint = "; its content is a list of parts, which this template may not take: give text as a string" if parts else ""
+    return ValueError(f"the chat template fails on this conversation: {exc}{hint}")
+
+
 def chat_template_problem(tokenizer: Any) -> str | None:
     """Why ``tokenizer``'s chat template cannot render a conversation at all (none set, or it does not compile),
     else None: known from the template alone, before any row is rendered."""
@@ -96,7 +109,7 @@ def render_time_limit(seconds: float | None = None) -> contextlib.AbstractContex
     seconds = RENDER_LIMIT_S if seconds is None else seconds
     return time_limit(
         seconds,
-        lambda: ChatTemplateError(
+        lambda: ChatTemplateTimeout(
             f"rendering one conversation ran past {seconds:g} s (a template that loops without end?)"
         ),
     )
