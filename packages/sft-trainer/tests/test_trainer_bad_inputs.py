@@ -380,3 +380,39 @@ def test_ctrl_c_before_any_worker_ends_with_one_line(monkeypatch, capsys):
         cli.main(["--train.steps", "2"])
     assert info.value.code == 130
     assert capsys.readouterr().err == "sft-train: interrupted\n"
+
+
+@pytest.mark.parametrize(
+    "argv,said",
+    [
+        (["inspect-data", "--rows", "abc"], "sft-train inspect-data: argument --rows: invalid int value: 'abc'"),
+        (
+            ["inspect-data", "--color", "purple"],
+            "sft-train inspect-data: argument --color: invalid choice: 'purple' (choose from 'auto', 'always', 'never')",
+        ),
+        (["inspect-data", "--rows"], "sft-train inspect-data: argument --rows: expected one argument"),
+        (
+            ["inspect-data", "--rows", "1", "--rows=2"],
+            "sft-train inspect-data: argument --rows: given twice (1 and 2); give it once",
+        ),
+        (["report"], "sft-train report: the following arguments are required: RUN_DIR"),
+        (["report", "a", "b"], "sft-train report: unrecognized arguments: b"),
+    ],
+)
+def test_a_subcommand_argument_mistake_is_one_line_with_exit_2(capsys, argv, said):
+    """argparse's own error would print the usage and the description above the line."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    command = " ".join(["sft-train", argv[0]])
+    assert capsys.readouterr().err == f"{said} ({command} --help lists its arguments)\n"
+
+
+def test_a_mistyped_subcommand_names_the_subcommands():
+    with pytest.raises(SystemExit) as info:
+        main(["trian", "--train.steps", "2"])
+    assert info.value.code == (
+        "sft-train: 'trian' is not a subcommand (plan, inspect-data, report), "
+        "and overrides look like --section.key VALUE or --key=VALUE"
+    )
+

@@ -22,7 +22,7 @@ import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, Union
 
 # the config (pydantic, cp_models, torch) is imported where used: a process started by spawn from sft-train
 # re-imports this module as its main, and a tokenizing worker needs none of it
@@ -108,6 +108,11 @@ def start(argv: Sequence[str] | None = None) -> None:
     if wants_help(argv):
         print(config_help("sft-train", RUN_USAGE, argv))
         return
+    if argv and not argv[0].startswith("-"):  # a bare first word can only be a subcommand: most often a typo of one
+        raise SystemExit(
+            f"sft-train: {argv[0]!r} is not a subcommand ({', '.join(commands)}), "
+            "and overrides look like --section.key VALUE or --key=VALUE"
+        )
     train_main(argv)
 
 
@@ -303,18 +308,44 @@ def _json_default(value: Any) -> Any:
 # sft-train inspect-data, sft-train report
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage error is one line naming the argument and where the options are listed, not the
+    usage and description printed above it (exit status 2, as argparse's)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} ({self.prog} --help lists its arguments)\n")
+
+
+class _StoreOnce(argparse.Action):
+    """An option that may be given once: a second value would silently replace the first."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        given = namespace.__dict__.setdefault("_given_once", {})
+        if self.dest in given:
+            parser.error(f"argument {option_string}: given twice ({given[self.dest]!r} and {values!r}); give it once")
+        given[self.dest] = values
+        setattr(namespace, self.dest, values)
+
+
 def inspect_data_main(argv: Sequence[str]) -> None:
     """``sft-train inspect-data``: see :data:`INSPECT_USAGE`."""
+    parser = _OneLineParser(prog="sft-train inspect-data", usage=INSPECT_USAGE, add_help=True)
+    parser.add_argument("--rows", type=int, default=2, action=_StoreOnce)
+    parser.add_argument("--color", choices=("auto", "always", "never"), default="auto", action=_StoreOnce)
+    options, overrides = parser.parse_known_args(list(argv))
+    if options.rows < 0:
+        raise SystemExit(f"sft-train inspect-data: --rows={options.rows} must be >= 0")
+    # imported once the options are read: a mistyped option is said at once, not after seconds of imports
     from sft_trainer.config import ConfigError, load_config
     from sft_trainer.data import ChatTemplateError, DataError
     from sft_trainer.inspect_data import inspect
 
-    parser = argparse.ArgumentParser(prog="sft-train inspect-data", usage=INSPECT_USAGE, add_help=True)
-    parser.add_argument("--rows", type=int, default=2)
-    parser.add_argument("--color", choices=("auto", "always", "never"), default="auto")
-    options, overrides = parser.parse_known_args(list(argv))
-    if options.rows < 0:
-        raise SystemExit(f"sft-train inspect-data: --rows={options.rows} must be >= 0")
     color = options.color == "always" or (options.color == "auto" and sys.stdout.isatty())
     try:
         path, overrides = split_config_argument(overrides)
@@ -333,7 +364,7 @@ def report_main(argv: Sequence[str] | None = None) -> None:
     """``sft-train report RUN_DIR``: the run's summary, and RUN_DIR/report.png."""
     from sft_trainer.report import ReportError, report
 
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="sft-train report",
         description="Plot a run's metrics.jsonl (loss, lr, grad norm, tokens/s, memory vs step) to "
         "RUN_DIR/report.png and print a summary. The PNG needs matplotlib: pip install 'sft-trainer[report]'.",
