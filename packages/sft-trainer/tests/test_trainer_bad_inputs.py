@@ -416,3 +416,20 @@ def test_a_mistyped_subcommand_names_the_subcommands():
         "and overrides look like --section.key VALUE or --key=VALUE"
     )
 
+
+def test_one_resume_problem_is_one_line_and_several_a_list(tmp_path, monkeypatch):
+    not_a_checkpoint = tmp_path / "other"
+    not_a_checkpoint.mkdir()
+    argv = ["--output_dir", str(tmp_path / "out"), "--checkpoint.resume", str(not_a_checkpoint)]
+    with pytest.raises(SystemExit) as one:
+        main(argv)
+    assert one.value.code == (
+        f"sft-train: cannot resume: checkpoint.resume: {not_a_checkpoint} is not an sft-train checkpoint "
+        "(no extra-rank0.json in it)"
+    )
+    import sft_trainer.checkpoint
+
+    monkeypatch.setattr(sft_trainer.checkpoint, "check_resume", lambda cfg, world: ["first problem", "second problem"])
+    with pytest.raises(SystemExit) as several:
+        main(argv)
+    assert several.value.code == "sft-train: cannot resume:\n  - first problem\n  - second problem"

@@ -152,6 +152,8 @@ def checked_config(argv: Sequence[str]) -> TrainConfig:
     except ConfigError as exc:
         raise SystemExit(f"sft-train: {exc}") from None
     problems = check_resume(cfg, dp * cp) or _data_change(cfg)
+    if len(problems) == 1:
+        raise SystemExit(f"sft-train: cannot resume: {problems[0]}")
     if problems:
         raise SystemExit("sft-train: cannot resume:\n" + "\n".join(f"  - {p}" for p in problems))
     problems = output_problems(cfg) + runtime_problems(cfg)
