@@ -239,3 +239,17 @@ def test_unwritable_outputs_are_refused_before_launch(tmp_path, kind):
         lines = str(info.value.code).splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"sft-train: {field}={str(target)!r}: "), lines
         assert not (tmp_path / "out").exists()
+
+
+def test_of_ranks_failing_with_the_same_line_exactly_one_claims_it(monkeypatch):
+    """Every rank raising the same resume error: each would read its own text back from a compare-and-set on the
+    line, so each would print it; the claim counter lets the first rank alone speak."""
+    import torch.distributed as dist
+
+    from sft_trainer import job_failure
+
+    monkeypatch.delenv(job_failure.LAUNCHER_DIR_ENV, raising=False)
+    store = dist.HashStore()
+    line = "sft-train: cannot resume: checkpoint.resume: step-000002 was written by 2 rank(s)"
+    assert [job_failure.claim(line, store) for _ in range(4)] == [True, False, False, False]
+    assert store.get(f"{job_failure.key_prefix()}failure").decode() == line

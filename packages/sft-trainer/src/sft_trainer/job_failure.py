@@ -3,8 +3,8 @@ job's store so that the ranks failing after it (or alongside it) stay quiet.
 
 The store is the one every rank of the job reaches without depending on a worker: torchrun's agent store
 (``MASTER_ADDR``/``MASTER_PORT`` when ``TORCHELASTIC_USE_AGENT_STORE`` is set), or the store the local
-launcher hosts for its spawned workers (``SFT_TRAIN_STORE``). The first rank to claim ``failure`` prints its line;
-the others print nothing. Under ``sft-torchrun`` (``SFT_TRAIN_LAUNCHER_DIR`` set) the claiming rank writes its
+launcher hosts for its spawned workers (``SFT_TRAIN_STORE``). The first rank to count itself in ``claims`` writes
+its line to ``failure`` and prints it; the others print nothing, even where their line is the same. Under ``sft-torchrun`` (``SFT_TRAIN_LAUNCHER_DIR`` set) the claiming rank writes its
 line to that folder instead of printing it: the launcher prints it once, naming the ranks that failed, and reads
 the ``abort`` record (the ranks another rank saw stop answering) to kill its own frozen workers.
 Without a store (none reachable), every failing rank prints as before: said more than once rather than never.
@@ -63,7 +63,12 @@ def claim(line: str, store=None) -> bool:
     if store is None:
         return True
     try:
-        return store.compare_set(f"{key_prefix()}failure", "", line).decode() == line
+        # a counter, not compare_set on the line itself: ranks failing with the same text would each read their own
+        # line back and all win
+        if store.add(f"{key_prefix()}claims", 1) != 1:
+            return False
+        store.set(f"{key_prefix()}failure", line)  # the line the launchers read and say
+        return True
     except Exception:
         return True
 
