@@ -392,7 +392,13 @@ INVALID = [
         ["--model.path", "{dir_q6}", "--model.config", "{q6}"],
         ["model.path=", "model.config=", "not both"],
     ),
-    ("model_path_missing", ["--model.path", "{missing}"], ["model.path=", "not a folder"]),
+    ("model_path_missing", ["--model.path", "{missing}"], ["model.path=", "no such folder; model.path is an HF"]),
+    ("model_path_a_file", ["--model.path", "{text_file}"], ["model.path=", "notes.txt': not a folder"]),
+    ("data_path_empty", ["--data.path", ""], ["data.path='': String should have at least 1 character"]),
+    ("tokenizer_empty", ["--data.tokenizer", ""], ["data.tokenizer='': String should have at least 1 character"]),
+    ("column_empty", ["--data.messages_column", ""], ["data.messages_column='': String should have at least 1"]),
+    ("output_dir_empty", ["--output_dir", ""], ["output_dir='': String should have at least 1 character"]),
+    ("steps_past_a_billion", ["--train.steps", "10" * 12], ["train.steps=1010", "less than or equal to 1000000000"]),
     (
         "pickle_weights_only",
         ["--model.path", "{dir_q6_pickle}"],
@@ -744,6 +750,9 @@ def test_checkpoint_tokenizer_is_the_default_and_must_fit(model_files, tmp_path)
         load_config(None, ["--model.path", str(small)])
     message = str(info.value)
     assert message.count("\n") == 0 and "649 tokens (ids up to 648)" in message and "vocab_size=600" in message
+    # the checkpoint's own tokenizer is the misfit: the fix is its config.json or another tokenizer
+    assert message.endswith("the checkpoint's own tokenizer and its config.json disagree: fix vocab_size there, or "
+                            "set data.tokenizer to the tokenizer made for this checkpoint")  # fmt: skip
     with pytest.raises(ConfigError, match=r"the shipped tokenizer .*649 tokens .* vocab_size=128"):
         (tmp_path / "q128.json").write_text(json.dumps(_text_config(vocab_size=128)))
         load_config(None, ["--model.config", str(tmp_path / "q128.json")])

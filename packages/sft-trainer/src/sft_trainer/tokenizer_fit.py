@@ -46,10 +46,19 @@ def load_tokenizer(folder: str | Path) -> Any:
     return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
 
 
-def tokenizer_problems(tokenizer: Any, hf_config: Any, field: str, source: str) -> list[str]:
+def tokenizer_problems(
+    tokenizer: Any, hf_config: Any, field: str, source: str, checkpoints_own: bool = False
+) -> list[str]:
     """One line per way ``tokenizer`` (named by ``field``, e.g. "data.tokenizer='x'") does not fit the model of
     ``hf_config`` (named by ``source``): an id at or past ``vocab_size``, a special token outside it, or a VL
-    placeholder whose id differs from the config's."""
+    placeholder whose id differs from the config's. ``checkpoints_own``: the tokenizer is the one the checkpoint
+    folder holds, so the fix is in that folder or another tokenizer, not "use the checkpoint's own"."""
+    fix = (
+        "the checkpoint's own tokenizer and its config.json disagree: fix vocab_size there, or set data.tokenizer "
+        "to the tokenizer made for this checkpoint"
+        if checkpoints_own
+        else "use the checkpoint's own tokenizer (the default for model.path) or one made for it"
+    )
     text = getattr(hf_config, "text_config", None) or hf_config
     vocab = int(text.vocab_size)
     problems = []
@@ -58,15 +67,12 @@ def tokenizer_problems(tokenizer: Any, hf_config: Any, field: str, source: str) 
     if max(size, top + 1) > vocab:
         problems.append(
             f"{field} has {size} tokens (ids up to {top}) but {source} has vocab_size={vocab}: its ids must be "
-            "below vocab_size; use the checkpoint's own tokenizer (the default for model.path) or one made for it"
+            f"below vocab_size; {fix}"
         )
     special = {str(t): tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens}
     outside = {t: i for t, i in special.items() if not isinstance(i, int) or not 0 <= i < vocab}
     if outside and not problems:
-        problems.append(
-            f"{field}: special tokens {outside} lie outside the {vocab}-row embedding of {source}; use the "
-            "checkpoint's own tokenizer (the default for model.path) or one made for it"
-        )
+        problems.append(f"{field}: special tokens {outside} lie outside the {vocab}-row embedding of {source}; {fix}")
     if getattr(hf_config, "vision_config", None) is not None:
         from sft_trainer.data import VisionTokens
 

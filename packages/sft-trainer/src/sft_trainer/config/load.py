@@ -110,6 +110,8 @@ def check_config(cfg: TrainConfig, weights: bool = True) -> list[str]:
             continue
         if field_name == "data.path" and needs_datasets(value):
             continue  # a hub id or a glob: the data loader reports it in one line when it cannot be read
+        if field_name == "data.tokenizer" and not data.tokenizer and cfg.model.path is not None:
+            continue  # model.path's own tokenizer: a missing model.path is said once, by the model check
         if not Path(value).exists():
             problems.append(f"{field_name}={value!r}: no such {kind}")
         elif field_name == "data.path" and (problem := local_files_problem(value, data.messages_column)):
@@ -187,7 +189,8 @@ def _check_tokenizer(cfg: TrainConfig) -> list[str]:
     template = chat_template_problem(tokenizer)
     problems = [f"{field} {template}"] if template else []
     if not preset:
-        problems += tokenizer_problems(tokenizer, resolve_model_config(model), field, _model_source(model))
+        own = cfg.data.tokenizer is None and model.path is not None
+        problems += tokenizer_problems(tokenizer, resolve_model_config(model), field, _model_source(model), own)
     return problems
 
 

@@ -80,7 +80,8 @@ def resolve_model_config(model: ModelConfig, vocab_size: int | None = None, toke
         given = SHIPPED_MODEL_CONFIGS / f"{model.config}.json"  # a shipped shape, by name
     file = given / "config.json" if given.is_dir() else given
     if model.path is not None and not given.is_dir():
-        raise ConfigError(f"{source}: not a folder; model.path is an HF checkpoint folder with a config.json")
+        what = "not a folder" if given.exists() else "no such folder"
+        raise ConfigError(f"{source}: {what}; model.path is an HF checkpoint folder with a config.json")
     if not file.is_file():
         shapes = ", ".join(sorted(f.stem for f in SHIPPED_MODEL_CONFIGS.glob("*.json")))
         hint = f" (shipped model.config shapes: {shapes})" if model.path is None else ""

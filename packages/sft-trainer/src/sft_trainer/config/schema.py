@@ -35,20 +35,24 @@ class LoraConfig(_Section):
         return value
 
 
+MAX_STEPS = 10**9
+"""Above any run's step count: a larger count is a typo (a schedule over it would not decay)."""
+
+
 class TrainingConfig(_Section):
     """``[train]``: steps, batch, optimizer (AdamW) and learning-rate schedule."""
 
-    steps: int = Field(40, ge=1, description="Optimizer steps to run.")
+    steps: int = Field(40, ge=1, le=MAX_STEPS, description="Optimizer steps to run (at most 10^9).")
     micro_batch_size: int = Field(
         1,
         ge=1,
         description="Packed rows per rank per micro-batch: must be 1 (a micro-batch is one packed row; more rows per step "
         "come from grad_accum or dp).",
     )
-    grad_accum: int = Field(1, ge=1, description="Micro-batches accumulated into each optimizer step.")
+    grad_accum: int = Field(1, ge=1, le=MAX_STEPS, description="Micro-batches accumulated into each optimizer step.")
     lr: float = Field(3e-4, gt=0, le=1, description="Peak learning rate (AdamW moves a weight by up to lr a step).")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of `lr`.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps (at most `steps`).")
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="Linear warmup steps (at most `steps`).")
     decay: Literal["cosine", "linear", "constant"] = Field(
         "cosine", description="Learning-rate decay after warmup, down to lr * min_lr_ratio."
     )
@@ -65,6 +69,7 @@ class TrainingConfig(_Section):
     max_nonfinite_steps: int = Field(
         3,
         ge=1,
+        le=MAX_STEPS,
         description="Stop with an error after this many consecutive steps whose loss or gradient norm is not "
         "finite (each such step is skipped on every rank).",
     )
@@ -87,9 +92,13 @@ class CheckpointConfig(_Section):
     """``[checkpoint]``: saving, resuming and exporting."""
 
     dir: str | None = Field(
-        None, description="Where training checkpoints go; unset: `output_dir`/checkpoints (see `checkpoint_dir`)."
+        None,
+        min_length=1,
+        description="Where training checkpoints go; unset: `output_dir`/checkpoints (see `checkpoint_dir`).",
     )
-    every: int = Field(0, ge=0, description="Save a checkpoint every this many steps (0: only at the end).")
+    every: int = Field(
+        0, ge=0, le=MAX_STEPS, description="Save a checkpoint every this many steps (0: only at the end)."
+    )
     resume: bool | str = Field(
         False,
         description="true (or 'latest'): resume from the latest checkpoint in `dir` (start fresh if none); a path: resume "
@@ -123,10 +132,13 @@ class LoggingConfig(_Section):
     log_every: int = Field(
         1,
         ge=1,
+        le=MAX_STEPS,
         description="Print a plain progress line every this many steps (metrics.jsonl and wandb get every step).",
     )
     metrics_file: str | None = Field(
-        None, description="JSONL file of per-step metrics; unset: `output_dir`/metrics.jsonl (see `metrics_path`)."
+        None,
+        min_length=1,
+        description="JSONL file of per-step metrics; unset: `output_dir`/metrics.jsonl (see `metrics_path`).",
     )
     wandb: WandbConfig = Field(default_factory=WandbConfig, description="wandb logging ([logging.wandb]).")
     progress_bar: bool = Field(
@@ -147,7 +159,9 @@ class TrainConfig(_Section):
         default_factory=CheckpointConfig, description="Checkpointing and export ([checkpoint])."
     )
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics and logs ([logging]).")
-    output_dir: str = Field("outputs", description="Run folder: checkpoints, metrics, the exported model.")
+    output_dir: str = Field(
+        "outputs", min_length=1, description="Run folder: checkpoints, metrics, the exported model."
+    )
 
     @property
     def vision_language(self) -> bool:

@@ -23,6 +23,7 @@ class ModelConfig(_Section):
 
     path: str | None = Field(
         None,
+        min_length=1,
         description="HF checkpoint folder (config.json + safetensors, usually with its tokenizer) to fine-tune: "
         "Qwen3.5 (dense, MoE or VL) or Nemotron-H; or a Hugging Face Hub id ('org/name', not a local path), fetched "
         "into the hub cache (config, safetensors and tokenizer files only; HF_HUB_OFFLINE=1 reads the cache only). "
@@ -31,6 +32,7 @@ class ModelConfig(_Section):
     )
     config: str | None = Field(
         None,
+        min_length=1,
         description="A config.json (or a folder holding one) to build a randomly initialized model from, or the "
         "name of a shipped public shape ('qwen3_5-0.8b', 'qwen3_5-2b', 'qwen3_5-35b-a3b', "
         "'nemotron_h-nano-30b-a3b'); exclusive with `path`.",
@@ -78,6 +80,7 @@ class DataConfig(_Section):
 
     path: str | None = Field(
         None,
+        min_length=1,
         description="Chat dataset: a JSONL or Parquet file or folder of them, one {'messages': [...]} per row "
         "(message contents may mix text and image parts for VL models); with the datasets extra also a "
         "save_to_disk folder, a .json file or a glob of data files (read by load_dataset), or a Hugging Face Hub "
@@ -85,15 +88,19 @@ class DataConfig(_Section):
     )
     messages_column: str | None = Field(
         None,
+        min_length=1,
         description="Column (key) holding each record's conversation; unset: 'messages', or 'conversations' when "
         "there is no 'messages'. ShareGPT turns ({'from': human|gpt|system, 'value': ...}) are converted to messages.",
     )
     split: str | None = Field(
-        None, description="Split of a hub dataset or a save_to_disk DatasetDict folder; unset: 'train'."
+        None, min_length=1, description="Split of a hub dataset or a save_to_disk DatasetDict folder; unset: 'train'."
     )
-    subset: str | None = Field(None, description="Configuration (subset) of a hub dataset; unset: its default.")
+    subset: str | None = Field(
+        None, min_length=1, description="Configuration (subset) of a hub dataset; unset: its default."
+    )
     tokenizer: str | None = Field(
         None,
+        min_length=1,
         description="Tokenizer folder (tokenizer.json with a chat template) or a Hugging Face Hub id ('org/name'); "
         "unset: model.path's own tokenizer for a "
         "checkpoint, else the shipped tiny tokenizer (the tiny VL processor's for a VL model). Its ids and special "
@@ -101,6 +108,7 @@ class DataConfig(_Section):
     )
     processor: str | None = Field(
         None,
+        min_length=1,
         description="Image processor folder (preprocessor_config.json of transformers' Qwen2-VL image processor) "
         "for datasets with images; unset: the tokenizer folder when it holds one.",
     )
@@ -124,6 +132,7 @@ class DataConfig(_Section):
     )
     cache_dir: str | None = Field(
         None,
+        min_length=1,
         description="Folder of the token cache: tokenized documents and pack plans on disk, keyed by the data files' "
         "content, tokenizer, template, processor and packing settings, and reused by later runs; unset: "
         "$SFT_TRAINER_CACHE, else ~/.cache/sft-trainer/data.",
