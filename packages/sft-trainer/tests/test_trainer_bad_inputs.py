@@ -292,6 +292,27 @@ def test_inspect_data_refuses_a_template_that_does_not_compile_before_rendering(
     assert not (tmp_path / "cache").exists()  # refused before any row was read
 
 
+@pytest.mark.parametrize(
+    ("template", "tag"),
+    [
+        ("{% include 'base.jinja' %}", "include"),
+        ("{% import 'macros.jinja' as m %}{{ m.say(messages) }}", "import"),
+        ("{% extends 'base.jinja' %}", "extends"),
+    ],
+)
+def test_a_template_that_loads_another_is_refused_before_rendering(tmp_path, monkeypatch, template, tag):
+    """apply_chat_template gives the template no loader: every row would fail, so it is said once, at launch."""
+    monkeypatch.setenv("SFT_TRAINER_CACHE", str(tmp_path / "cache"))
+    tok = _tokenizer_with_template(tmp_path / "tok", "{% for m in messages %}{{ m.content }}{% endfor %}\n" + template)
+    with pytest.raises(SystemExit) as info:
+        main(["inspect-data", "--data.tokenizer", str(tok), "--data.seq_len", "64"])
+    (line,) = str(info.value.code).splitlines()
+    assert line.endswith(f"data.tokenizer={str(tok)!r} has a chat template that loads another template "
+                         f"({{% {tag} %}}, line 2), which apply_chat_template cannot: put the other template's text "
+                         "in place")  # fmt: skip
+    assert not (tmp_path / "cache").exists()
+
+
 def test_under_torchrun_a_mistake_is_said_once(tmp_path):
     """Every torchrun rank finds the same config problem; rank 0 alone says it (torchrun then prints its own
     summary of the failed ranks)."""

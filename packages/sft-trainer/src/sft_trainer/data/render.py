@@ -99,7 +99,28 @@ def chat_template_problem(tokenizer: Any) -> str | None:
     except Exception as exc:  # jinja2's TemplateSyntaxError, with the template's line
         lineno = getattr(exc, "lineno", None)
         return f"has a chat template that does not compile{f' (line {lineno})' if lineno else ''}: {one_line(exc)}"
-    return None
+    return _loads_other_templates(template)
+
+
+def _loads_other_templates(template: str) -> str | None:
+    """A template that includes, imports or extends another one cannot render: apply_chat_template gives its
+    environment no loader (every row would fail with "no loader for this environment specified")."""
+    import jinja2
+    from jinja2 import nodes
+
+    loading = (nodes.Include, nodes.Import, nodes.FromImport, nodes.Extends)
+    try:  # transformers' own tags (e.g. {% generation %}) do not parse here: such a template is not judged
+        parsed = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError:
+        return None
+    found = next(iter(parsed.find_all(loading)), None)
+    if found is None:
+        return None
+    tag = {nodes.Include: "include", nodes.Import: "import", nodes.FromImport: "from", nodes.Extends: "extends"}
+    return (
+        f"has a chat template that loads another template ({{% {tag[type(found)]} %}}, line {found.lineno}), which "
+        "apply_chat_template cannot: put the other template's text in place"
+    )
 
 
 def render_time_limit(seconds: float | None = None) -> contextlib.AbstractContextManager[None]:
