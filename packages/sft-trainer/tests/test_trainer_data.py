@@ -181,6 +181,21 @@ def test_a_folder_named_like_a_data_file_is_searched_and_other_entries_are_refus
     assert file_type_problem(str(tmp_path / "d.jsonl")).startswith("not a regular file (a FIFO")
 
 
+def test_data_files_that_are_all_empty_are_named_before_launch(tmp_path):
+    from sft_trainer.data.sources import local_files_problem
+
+    (tmp_path / "a.jsonl").write_text("")
+    assert local_files_problem(str(tmp_path / "a.jsonl"), None) == (
+        f"{tmp_path / 'a.jsonl'} is empty (0 bytes): no conversations to train on"
+    )
+    (tmp_path / "b.jsonl").write_text("")
+    assert local_files_problem(str(tmp_path), None) == (
+        f"all 2 data files in {tmp_path} are empty (0 bytes): no conversations to train on"
+    )
+    _write_jsonl(tmp_path / "c.jsonl", [_good("c")])  # one file with rows is enough
+    assert local_files_problem(str(tmp_path), None) is None
+
+
 def test_parquet_rows_and_errors(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -124,13 +124,17 @@ def open_parquet(path: Path, messages_column: str | None):
 
 
 def local_files_problem(path: str, messages_column: str | None) -> str | None:
-    """Why the JSONL/Parquet files ``path`` names cannot be read, or None: a folder without data files, a Parquet
-    file whose footer does not read or lacks the conversation column. Only footers are read: said before any
+    """Why the JSONL/Parquet files ``path`` names cannot be read, or None: a folder without data files, files that
+    are all empty, a Parquet file whose footer does not read or lacks the conversation column. Only footers are read: said before any
     worker starts."""
     if not reads_directly(path):
         return None
     try:
-        for file in _expand_paths(path):
+        files = _expand_paths(path)
+        if all(file.stat().st_size == 0 for file in files):
+            what = f"{files[0]} is" if len(files) == 1 else f"all {len(files)} data files in {path} are"
+            return f"{what} empty (0 bytes): no conversations to train on"
+        for file in files:
             if file.suffix in _PARQUET_SUFFIXES:
                 open_parquet(file, messages_column)
     except (DataError, OSError) as exc:
