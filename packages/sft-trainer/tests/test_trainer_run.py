@@ -120,12 +120,11 @@ def test_resume_reproduces_losses(ring_and_resume, tmp_path):
         *("--train.warmup_steps", "1"),
         *("--data.seq_len", "128", "--data.path", str(changed), "--checkpoint.resume", str(ckpt)),
     )
-    assert one_line_failure(proc) == "sft-train: cannot resume:"
-    problems = [line for line in proc.stderr.splitlines() if line.startswith("  - ")]
-    assert len(problems) == 1, proc.stderr
-    found = re.findall(r"tokens-\w+/pack-\w+", problems[0])
-    assert len(found) == 2 and found[0] == recorded and found[1] != recorded, problems[0]
-    assert "checkpoint.allow_data_change = true" in problems[0] and "[sft-train] dp=" not in proc.stdout
+    line = one_line_failure(proc)  # the one problem, on the line itself
+    assert line.startswith("sft-train: cannot resume: ") and "  - " not in proc.stderr, proc.stderr
+    found = re.findall(r"tokens-\w+/pack-\w+", line)
+    assert len(found) == 2 and found[0] == recorded and found[1] != recorded, line
+    assert "checkpoint.allow_data_change = true" in line and "[sft-train] dp=" not in proc.stdout
 
 
 def test_data_change_is_refused_unless_allowed(tmp_path):
