@@ -21,7 +21,9 @@ from sft_trainer.config import SHIPPED_MODEL_CONFIGS, SHIPPED_TOKENIZER
 
 # (case id, overrides, fragment of the message); every case must stop in main, before a worker starts
 PRE_LAUNCH = [
-    ("empty_output_dir", ["--output_dir", ""], "sft-train: output_dir='': must name a folder"),
+    ("empty_output_dir", ["--output_dir", ""], "output_dir='': must not be empty: give a value, or leave the key"),
+    ("blank_output_dir", ["--output_dir", "  "], "sft-train: output_dir='  ': must name a folder"),
+    ("empty_resume", ["--checkpoint.resume", ""], "checkpoint.resume='': must not be empty: true (the latest"),
     ("multi_line_value", ["--train.steps", "5\nlr = 1"], "--train.steps='5\\nlr = 1': a value must be one line"),
     ("config_is_a_folder", ["--config", "{tmp}"], "is a folder; --config names a TOML file"),
     ("seed_2_63", ["--train.seed", str(2**63)], "train.seed=9223372036854775808: Input should be less than"),

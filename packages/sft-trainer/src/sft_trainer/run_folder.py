@@ -58,7 +58,9 @@ def output_problems(cfg) -> list[str]:
     """Each output path of ``cfg`` that this user cannot write, one line each (empty: all writable)."""
     problems = []
     if not str(cfg.output_dir).strip():
-        problems.append("output_dir='': must name a folder (the run's checkpoints, metrics and export go there)")
+        problems.append(
+            f"output_dir={cfg.output_dir!r}: must name a folder (the run's checkpoints, metrics and export go there)"
+        )
         return problems
     problem = _folder_problem("output_dir", cfg.output_dir, Path(cfg.output_dir))
     if problem:  # the default checkpoint and metrics paths lie inside it: one mistake, one line

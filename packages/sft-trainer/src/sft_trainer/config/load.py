@@ -49,6 +49,8 @@ def _format_validation_error(exc: ValidationError) -> list[str]:
             msg = "must be true or false"
         elif err["type"] == "finite_number":
             msg = "must be a finite number (inf and nan are refused)"
+        elif err["type"] == "string_too_short":  # often "$VAR" with VAR unset
+            msg = "must not be empty: give a value, or leave the key out for its default"
         merged.setdefault(key, [])
         if msg not in merged[key]:
             merged[key].append(msg)
@@ -127,7 +129,11 @@ def check_config(cfg: TrainConfig, weights: bool = True) -> list[str]:
                 "images need a Qwen3.5-VL model (model.preset = 'tiny-qwen3_5-vl', or a VL checkpoint)"
             )
     resume = cfg.checkpoint.resume
-    if isinstance(resume, str) and resume not in ("true", "latest") and not Path(resume).exists():
+    if isinstance(resume, str) and not resume.strip():  # often "$CKPT" with CKPT unset: not a fresh start
+        problems.append(
+            f"checkpoint.resume={resume!r}: must not be empty: true (the latest checkpoint), false, or a checkpoint path"
+        )
+    elif isinstance(resume, str) and resume not in ("true", "latest") and not Path(resume).exists():
         problems.append(f"checkpoint.resume={resume!r}: no such checkpoint (use true to resume from the latest)")
 
     model_problems = _check_model(cfg)

@@ -122,8 +122,8 @@ class WandbConfig(_Section):
     mode: Literal["offline", "online"] = Field(
         "offline", description="'offline' writes runs locally (sync later); 'online' streams them."
     )
-    project: str = Field("cp-sft", description="wandb project name.")
-    run_name: str | None = Field(None, description="wandb run name; default: wandb's generated one.")
+    project: str = Field("cp-sft", min_length=1, description="wandb project name.")
+    run_name: str | None = Field(None, min_length=1, description="wandb run name; default: wandb's generated one.")
 
 
 class LoggingConfig(_Section):
