@@ -163,6 +163,10 @@ FAILING_TEMPLATES = {
 }
 
 
+# a refusal of the sandbox, or a template past the time limit, fails whatever the row
+TEMPLATE_WIDE = ("template_escapes_the_sandbox", "template_range_over_the_sandbox_limit", "template_loops_for_hours")
+
+
 def _worker_case(tmp_path, case: str) -> tuple[list[str], str]:
     if case == "truncated_safetensors":
         ckpt = _tiny_checkpoint(tmp_path / "ckpt")
@@ -201,8 +205,8 @@ def _worker_case(tmp_path, case: str) -> tuple[list[str], str]:
     if case in FAILING_TEMPLATES:
         template, error = FAILING_TEMPLATES[case]
         tok = _tokenizer_with_template(tmp_path / "tok", template)
-        if case == "template_loops_for_hours":  # every row would take as long: the job stops, naming the tokenizer
-            return ["--data.tokenizer", str(tok)], f"its chat template fails: {error}"
+        if case in TEMPLATE_WIDE:  # the template's own failure whatever the row: the job stops, naming the tokenizer
+            return ["--data.tokenizer", str(tok)], f"data.tokenizer={str(tok)!r}: its chat template fails: {error}"
         # a template that fails on a row is that row's problem (its role checks, a type it does not take)
         return ["--data.tokenizer", str(tok)], f"row 1: the chat template fails on this conversation: {error}"
     if case == "resume_of_another_model":  # passes the launcher's checks (layout, steps); its tensors differ
@@ -266,19 +270,21 @@ def test_worker_mistakes_end_the_process_with_one_clear_line(tmp_path, case):
 @pytest.mark.parametrize(
     ("template", "fragment"),
     [
-        ("{{ messages[0]['content'] + 1 }}", "TypeError: can only concatenate str"),
-        ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "SecurityError"),
+        ("{{ messages[0]['content'] + 1 }}", ": row 1: the chat template fails on this conversation: TypeError: can"),
+        ("{{ ''.__class__.__mro__[1].__subclasses__() }}", ": its chat template fails: SecurityError"),
     ],
     ids=["code_fails", "sandbox"],
 )
 def test_inspect_data_says_a_failing_template_in_one_line(tmp_path, monkeypatch, template, fragment):
+    """A failure in the template's code is the row's (named by file and row); a sandbox refusal the template's
+    (named by the tokenizer)."""
     monkeypatch.setenv("SFT_TRAINER_CACHE", str(tmp_path / "cache"))
     tok = _tokenizer_with_template(tmp_path / "tok", template)
     with pytest.raises(SystemExit) as info:
         main(["inspect-data", "--data.tokenizer", str(tok), "--data.seq_len", "64"])
     message = str(info.value.code)
-    assert message.startswith("sft-train inspect-data: data.path=")
-    assert ": row 1: the chat template fails on this conversation: " in message
+    said = "data.path=" if "row 1" in fragment else f"data.tokenizer={str(tok)!r}"
+    assert message.startswith(f"sft-train inspect-data: {said}")
     assert fragment in message and "\n" not in message
 
 

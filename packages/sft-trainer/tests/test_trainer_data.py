@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import os
@@ -223,10 +224,35 @@ def test_a_row_the_chat_template_fails_on_is_named_and_skippable(tmp_path, token
     with pytest.raises(DataError) as info:
         PackedDataset.build(path, tokenizer, 64)
     assert "chats.jsonl: row 2: the chat template fails on this conversation: TypeError" in str(info.value)
-    assert str(info.value).endswith("its content is a list of parts, which this template may not take: give text "
+    assert str(info.value).endswith("its content is a list of text parts, which this template may not take: give text "
                                     "as a string")  # fmt: skip
     dataset = PackedDataset.build(path, tokenizer, 64, on_error="skip")
     assert dataset.stats.skipped_malformed == 1 and dataset.stats.documents == 2
+    only_parts = _write_jsonl(tmp_path / "parts.jsonl", [parts, parts])  # every row skipped: said as such
+    with pytest.raises(DataError, match=r"every row was skipped as malformed \(on_error='skip'\)"):
+        PackedDataset.build(only_parts, tokenizer, 64, on_error="skip")
+
+
+def test_a_run_whose_rows_are_all_skipped_names_the_first_reason(tmp_path, monkeypatch):
+    """Through the token store (the trainer's path): 'no packed rows' says every row was skipped, and why the first."""
+    from sft_trainer.cli import main
+
+    monkeypatch.setenv("SFT_TRAINER_CACHE", str(tmp_path / "cache"))
+    row = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            {"role": "assistant", "content": "ok"},
+        ]
+    }
+    path = _write_jsonl(tmp_path / "parts.jsonl", [json.dumps(row)] * 3)
+    with pytest.raises(SystemExit) as info:
+        main(["inspect-data", "--data.path", str(path), "--data.on_error", "skip"])
+    (line,) = str(info.value.code).splitlines()
+    assert "skipped_malformed=3" in line
+    assert line.endswith(f"every row was skipped as malformed (data.on_error='skip'), the first: {path}: row 1: the chat "
+                         "template fails on this conversation: TypeError: can only concatenate str (not \"list\") to "
+                         "str; its content is a list of text parts, which this template may not take: give text as a "
+                         "string")  # fmt: skip
 
 
 def test_skipped_rows_reach_the_dataset_stats(tmp_path, tokenizer):
@@ -267,6 +293,18 @@ def test_a_conversation_that_opens_with_a_reply_trains_on_its_text(tokenizer):
         "hello there<|im_end|>",
         "how can I help<|im_end|>",
     ]
+    # a template that opens with a default system prompt holding the reply's text: the span is the reply's own
+    preamble = copy.deepcopy(tokenizer)
+    preamble.chat_template = (
+        "{% if messages[0].role != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    messages = [{"role": "assistant", "content": "helpful"}, {"role": "user", "content": "thanks"}]
+    ids, mask = tokenize_conversation(preamble, messages)
+    assert [preamble.decode(run) for run in _masked_runs(ids, mask)] == ["helpful<|im_end|>"]
+    unmasked = preamble.decode([t for t, f in zip(ids, mask, strict=True) if not f])
+    assert unmasked.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_empty_assistant_turn_adds_no_loss_tokens(tokenizer):

@@ -88,6 +88,18 @@ def assistant_spans(
         return _spans(renderer, messages, end_of_turn, markup)
 
 
+_STAND_IN = "sft-train-reply-stand-in-7f3a9c"
+
+
+def _before_first_reply(renderer: ChatRenderer, message: dict[str, Any]) -> str | None:
+    """What the template renders before the text of a reply that opens the conversation (a default system
+    prompt, the role header): the rendering of that message with a stand-in text, up to the stand-in. None when
+    the template drops the stand-in."""
+    rendered = renderer.render(renderer.prepare([{"role": message["role"], "content": _STAND_IN}]), False)
+    at = rendered.find(_STAND_IN)
+    return None if at < 0 else rendered[:at]
+
+
 def _spans(
     renderer: ChatRenderer, messages: list[dict[str, Any]], end_of_turn: str | None, markup: list[str]
 ) -> tuple[str, list[tuple[int, int]]]:
@@ -100,17 +112,14 @@ def _spans(
         texts = [content] if isinstance(content, str) else [p["text"] for p in content if p["type"] == "text"]
         if message["role"] != "assistant" or not any(texts):
             continue
-        if i == 0:  # nothing before it to render (apply_chat_template refuses an empty list): it starts at its text
-            found = _find_reply(full, 0, next(filter(None, texts)))
-            start = end = len(full) if found is None else found[0]
-        else:
-            prefix = renderer.render(prepared[:i], True)
-            if not full.startswith(prefix):
-                raise ValueError(
-                    f"the chat template is not prefix-stable at messages[{i}]: rendering the messages before it "
-                    "with add_generation_prompt=True is not a prefix of the whole conversation's rendering"
-                )
-            start = end = len(prefix)
+        # a reply at messages[0] has nothing before it to render (apply_chat_template refuses an empty list)
+        prefix = _before_first_reply(renderer, message) if i == 0 else renderer.render(prepared[:i], True)
+        if prefix is None or not full.startswith(prefix):
+            raise ValueError(
+                f"the chat template is not prefix-stable at messages[{i}]: rendering the messages before it with "
+                "add_generation_prompt=True is not a prefix of the whole conversation's rendering"
+            )
+        start = end = len(prefix)
         for text in filter(None, texts):
             found = _find_reply(full, end, text)
             if found is None:

@@ -25,7 +25,7 @@ from sft_trainer.data.conversations import (
 )
 from sft_trainer.data.images import VisionTokens
 from sft_trainer.data.packing import PackedRow, PackStats, pack_examples
-from sft_trainer.data.render import ChatRenderer, ChatTemplateError, ChatTemplateTimeout, template_row_error
+from sft_trainer.data.render import ChatRenderer, ChatTemplateError, as_row_error
 
 
 class PackedDataset(Dataset):
@@ -45,6 +45,8 @@ class PackedDataset(Dataset):
                     f"; all {stats.dropped} document(s) were longer than data.seq_len={seq_len} and "
                     "data.overlong='drop' dropped them: raise data.seq_len or set data.overlong='truncate'"
                 )
+            elif not stats.documents and stats.skipped_malformed:
+                hint = "; every row was skipped as malformed (on_error='skip'): on_error='raise' names the first"
             elif not stats.documents:
                 hint = "; the data holds no conversation with any tokens"
             raise DataError(f"no packed rows: nothing to train on ({stats.summary()}){hint}")
@@ -125,11 +127,9 @@ class PackedDataset(Dataset):
                         renderer=renderer,
                     )
                 )
-            except ChatTemplateTimeout:
-                raise
             except (ValueError, ChatTemplateError) as exc:
-                if isinstance(exc, ChatTemplateError):
-                    exc = template_row_error(exc, messages)
+                if isinstance(exc, ChatTemplateError):  # re-raises the template's own failures
+                    exc = as_row_error(exc, messages)
                 if on_error == "skip":
                     skipped_malformed += 1
                     continue

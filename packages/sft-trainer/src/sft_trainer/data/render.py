@@ -74,12 +74,20 @@ class ChatTemplateTimeout(ChatTemplateError):
     row would take as long."""
 
 
-def template_row_error(exc: ChatTemplateError, messages: list[dict[str, Any]]) -> ValueError:
-    """A template that fails on one row (its role checks, a type it does not take) is that row's problem: named with
-    its file and row, and skipped under ``on_error="skip"``."""
-    parts = any(isinstance(m["content"], list) for m in messages)
-    hint = "; its content is a list of parts, which this template may not take: give text as a string" if parts else ""
-    return ValueError(f"the chat template fails on this conversation: {exc}{hint}")
+def as_row_error(exc: ChatTemplateError, messages: list[dict[str, Any]]) -> ValueError:
+    """A template that fails on one conversation (its role checks, a type it does not take) fails on that row:
+    returned as the row's ValueError, named with its file and row and skipped under ``on_error="skip"``. A refusal
+    of the sandbox (an unsafe access, a range over its limit) or the time limit is the template's whatever the
+    row: re-raised, it stops the job naming the tokenizer."""
+    from jinja2.exceptions import SecurityError
+
+    cause = exc.__cause__
+    if isinstance(exc, ChatTemplateTimeout) or isinstance(cause, SecurityError | OverflowError):
+        raise exc
+    text_parts = [m["content"] for m in messages if isinstance(m["content"], list)]
+    parts_hint = isinstance(cause, TypeError) and text_parts and all(p["type"] == "text" for c in text_parts for p in c)
+    hint = "; its content is a list of text parts, which this template may not take: give text as a string"
+    return ValueError(f"the chat template fails on this conversation: {exc}{hint if parts_hint else ''}")
 
 
 def chat_template_problem(tokenizer: Any) -> str | None:

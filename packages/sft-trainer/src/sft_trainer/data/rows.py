@@ -64,6 +64,9 @@ class StoreDataset(Dataset):
                     f"; all {stats.dropped} document(s) were longer than data.seq_len={plan.seq_len} and "
                     "data.overlong='drop' dropped them: raise data.seq_len or set data.overlong='truncate'"
                 )
+            elif not stats.documents and stats.skipped_malformed:
+                first = (store.manifest.get("skip_reasons") or ["(not recorded)"])[0]
+                hint = f"; every row was skipped as malformed (data.on_error='skip'), the first: {first}"
             elif not stats.documents:
                 hint = "; the data holds no conversation with any tokens"
             raise DataError(f"no packed rows: nothing to train on ({stats.summary()}){hint}")

@@ -41,7 +41,7 @@ from sft_trainer.data.conversations import (
     validate_messages,
 )
 from sft_trainer.data.images import VisionTokens, conversation_images
-from sft_trainer.data.render import ChatRenderer, ChatTemplateError, ChatTemplateTimeout, template_row_error
+from sft_trainer.data.render import ChatRenderer, ChatTemplateError, as_row_error
 from sft_trainer.data.shard import Shard, image_reference
 from sft_trainer.data.sources import open_parquet, parquet_column, row_messages
 
@@ -171,13 +171,10 @@ def tokenize_chunk(chunk: Chunk) -> ChunkResult:
                 vision_tokens=options["vision_tokens"],
                 renderer=_STATE["renderer"],
             )
-        except ChatTemplateTimeout:
-            raise
         except (ValueError, OSError, ChatTemplateError) as exc:
-            # a template error comes from rendering, after ``messages`` of this row are set
-            batch.append(
-                (number, None, template_row_error(exc, messages) if isinstance(exc, ChatTemplateError) else exc)
-            )
+            # a template error comes from rendering, after ``messages`` of this row are set; as_row_error re-raises
+            # the template's own (sandbox refusals, the time limit)
+            batch.append((number, None, as_row_error(exc, messages) if isinstance(exc, ChatTemplateError) else exc))
             if options["on_error"] == "raise":
                 break
             continue
