@@ -176,7 +176,7 @@ def build(variant: str, config, device: str):
         model.loss_tile_kernels = "torch"
     if "ckpt" in variant:
         apply_activation_checkpointing(model)
-    if "reduce-overhead" in VARIANTS[variant]:
+    if variant == "cp_models + compiled norms/MLP (CUDA graphs)":
         for layer in model.decoder_layers():
             for module in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp):
                 module.compile(mode="reduce-overhead")

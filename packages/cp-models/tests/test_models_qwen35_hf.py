@@ -534,6 +534,16 @@ def test_a_save_over_an_earlier_save_leaves_only_its_own_weight_files(tmp_path):
     for name, t in second.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], t), name
 
+    linked = tmp_path / "linked"  # a folder whose weights link into a hub cache: the cache blob stays as it is
+    linked.mkdir()
+    blob = tmp_path / "blob"
+    blob.write_bytes((tmp_path / "single" / "model.safetensors").read_bytes())
+    (linked / "model.safetensors").symlink_to(blob)
+    first.save_pretrained(linked)
+    assert blob.read_bytes() == (tmp_path / "single" / "model.safetensors").read_bytes()
+    assert not (linked / "model.safetensors").is_symlink()
+    assert torch.equal(read_safetensors(linked)["model.norm.weight"], first.state_dict()["model.norm.weight"])
+
 
 def test_sharded_checkpoint_loads(tmp_path):
     config = make_config(True, layer_types=[LIN, FULL])

@@ -437,6 +437,12 @@ def test_a_subcommand_argument_mistake_is_one_line_with_exit_2(capsys, argv, sai
     assert capsys.readouterr().err == f"{said} ({command} --help lists its arguments)\n"
 
 
+def test_a_config_file_given_as_the_first_word_is_pointed_to_config():
+    with pytest.raises(SystemExit) as info:
+        main(["my.toml", "--train.steps", "2"])
+    assert info.value.code == "sft-train: 'my.toml' is not a subcommand; a config file is given as --config FILE"
+
+
 def test_a_mistyped_subcommand_names_the_subcommands():
     with pytest.raises(SystemExit) as info:
         main(["trian", "--train.steps", "2"])

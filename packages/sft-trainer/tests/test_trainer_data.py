@@ -174,12 +174,21 @@ def test_a_folder_named_like_a_data_file_is_searched_and_other_entries_are_refus
     assert file_type_problem(str(tmp_path / "c.jsonl")) == "a symbolic link to nothing (its target is missing)"
     (tmp_path / "c.jsonl").unlink()
 
+    (tmp_path / "linked.jsonl").symlink_to(tmp_path / "inner.jsonl")  # a link to a folder is not searched: said
+    assert local_files_problem(str(tmp_path), None) == (
+        f"{tmp_path / 'linked.jsonl'} (in data folder {tmp_path}): a link to a folder, whose files are not "
+        "searched; put them in the data folder, or name the linked folder in data.path"
+    )
+    (tmp_path / "linked.jsonl").unlink()
+
     os.mkfifo(tmp_path / "d.jsonl")
     assert "d.jsonl (in data folder" in local_files_problem(str(tmp_path), None)
     assert "not a regular file (a FIFO" in local_files_problem(str(tmp_path), None)
     with pytest.raises(DataError, match=r"d\.jsonl .*not a regular file"):
         load_conversations(tmp_path)
     assert file_type_problem(str(tmp_path / "d.jsonl")).startswith("not a regular file (a FIFO")
+    (tmp_path / "e.jsonl").symlink_to(tmp_path / "d.jsonl")  # a link to a FIFO is named as the FIFO
+    assert file_type_problem(str(tmp_path / "e.jsonl")).startswith("not a regular file (a FIFO")
 
 
 def test_data_files_that_are_all_empty_are_named_before_launch(tmp_path):

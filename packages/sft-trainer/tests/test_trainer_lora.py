@@ -72,3 +72,24 @@ def test_adapters_are_drawn_from_the_seed_alone():
     assert all(torch.equal(half[n], first[n].bfloat16().float()) for n in first)
     seeds = {dropout_seed(seed, rank) for seed in range(3) for rank in range(4)}
     assert len(seeds) == 12 and dropout_seed(1, 2) == dropout_seed(1, 2)
+
+
+def test_a_merged_export_over_an_adapters_export_removes_the_adapters_file(tmp_path):
+    """Exports into one folder: the adapters of an unmerged export must not stay beside merged weights (a loader
+    that applies them would apply the update twice)."""
+    import torch.distributed as dist
+
+    from sft_trainer.config import load_config
+    from sft_trainer.run import export_model
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = _model()
+        apply_lora(model, ["q_proj"], rank=4, alpha=8.0)
+        folder = tmp_path / "hf"
+        for merge, adapters_kept in (("false", True), ("true", False)):
+            cfg = load_config(None, [*LORA, "--checkpoint.merge_lora", merge, "--output_dir", str(tmp_path / "out")])
+            export_model(cfg, model, folder)
+            assert (folder / "lora_adapters.safetensors").is_file() == adapters_kept, merge
+    finally:
+        dist.destroy_process_group()

@@ -67,8 +67,8 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 def write_safetensors(
     state: Mapping[str, torch.Tensor], path: str | os.PathLike, max_shard_bytes: int = 5 * 2**30
 ) -> None:
-    """Write ``state`` as HF safetensors (sharded with an index above ``max_shard_bytes``), removing the weight
-    files of an earlier save into ``path`` that this one does not rewrite (a stale index or shard would be read
+    """Write ``state`` as HF safetensors (sharded with an index above ``max_shard_bytes``), then remove the weight
+    files of an earlier save into ``path`` that this one did not rewrite (a stale index or shard would be read
     with, or instead of, the new weights)."""
     from safetensors.torch import save_file
 
@@ -88,19 +88,21 @@ def write_safetensors(
         if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
-    for stale in _weight_files(path) - set(names):
-        (path / stale).unlink()
-    if len(shards) == 1:
-        save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map = {}
+    written = {*names, "model.safetensors.index.json"} if len(shards) > 1 else set(names)
+    stale = _weight_files(path) - written
     for fname, shard in zip(names, shards, strict=True):
+        if (path / fname).is_symlink():  # a link into a hub cache: replace the link, never write through it
+            (path / fname).unlink()
         save_file(shard, str(path / fname), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, fname))
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    (path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
-    )
+    if len(shards) > 1:
+        weight_map = {name: fname for fname, shard in zip(names, shards, strict=True) for name in shard}
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        index = path / "model.safetensors.index.json"
+        if index.is_symlink():
+            index.unlink()
+        index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    for name in stale:  # last: a save that dies before this point leaves the earlier save's other files in place
+        (path / name).unlink()
 
 
 def _weight_files(path: Path) -> set[str]:

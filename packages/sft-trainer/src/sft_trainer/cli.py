@@ -109,6 +109,8 @@ def start(argv: Sequence[str] | None = None) -> None:
         print(config_help("sft-train", RUN_USAGE, argv))
         return
     if argv and not argv[0].startswith("-"):  # a bare first word can only be a subcommand: most often a typo of one
+        if argv[0].endswith(".toml") or Path(argv[0]).is_file():
+            raise SystemExit(f"sft-train: {argv[0]!r} is not a subcommand; a config file is given as --config FILE")
         raise SystemExit(
             f"sft-train: {argv[0]!r} is not a subcommand ({', '.join(commands)}), "
             "and overrides look like --section.key VALUE or --key=VALUE"

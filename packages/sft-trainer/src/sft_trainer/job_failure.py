@@ -4,8 +4,9 @@ job's store so that the ranks failing after it (or alongside it) stay quiet.
 The store is the one every rank of the job reaches without depending on a worker: torchrun's agent store
 (``MASTER_ADDR``/``MASTER_PORT`` when ``TORCHELASTIC_USE_AGENT_STORE`` is set), or the store the local
 launcher hosts for its spawned workers (``SFT_TRAIN_STORE``). The first rank to count itself in ``claims`` writes
-its line to ``failure`` and prints it; the others print nothing, even where their line is the same. Under ``sft-torchrun`` (``SFT_TRAIN_LAUNCHER_DIR`` set) the claiming rank writes its
-line to that folder instead of printing it: the launcher prints it once, naming the ranks that failed, and reads
+its line to ``failure`` and prints it; the others print nothing, even where their line is the same. Under
+``sft-torchrun`` (``SFT_TRAIN_LAUNCHER_DIR`` set) the claiming rank writes its line to that folder instead of
+printing it: the launcher prints it once, naming the ranks that failed, and reads
 the ``abort`` record (the ranks another rank saw stop answering) to kill its own frozen workers.
 Without a store (none reachable), every failing rank prints as before: said more than once rather than never.
 """

@@ -380,10 +380,13 @@ def export_model(cfg, model, export_dir: Path) -> None:
         lora = cfg.train.lora
         state, adapters = split_lora_state(state, lora.alpha / lora.rank, merge=cfg.checkpoint.merge_lora)
     model.save_pretrained(export_dir, state_dict=state)
+    adapters_file = Path(export_dir) / "lora_adapters.safetensors"
     if adapters and not cfg.checkpoint.merge_lora:
         from safetensors.torch import save_file
 
-        save_file({k: v.contiguous() for k, v in adapters.items()}, str(Path(export_dir) / "lora_adapters.safetensors"))
+        save_file({k: v.contiguous() for k, v in adapters.items()}, str(adapters_file))
+    elif adapters_file.is_file():  # an earlier export's adapters beside these weights would be applied twice
+        adapters_file.unlink()
 
 
 def start_wandb(cfg):

@@ -149,7 +149,7 @@ def not_a_regular_file(path: Path) -> str | None:
     link that leads nowhere fails it), or None for a regular file, a folder or a path that does not exist."""
     if path.is_file() or path.is_dir():
         return None
-    if path.is_symlink():
+    if path.is_symlink() and not path.exists():
         return "a symbolic link to nothing (its target is missing)"
     if path.exists():
         return "not a regular file (a FIFO, socket or device); data files are read whole"
@@ -168,9 +168,15 @@ def _expand_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> lis
                 if p.suffix in _JSONL_SUFFIXES + _PARQUET_SUFFIXES
                 # hidden files and folders (macOS's ._ resource forks, .cache) are not data, as for load_dataset
                 and not any(part.startswith(".") for part in p.relative_to(path).parts)
-                and not p.is_dir()  # a folder named like a data file: rglob lists its files too
+                # a folder named like a data file: rglob lists its files too (not through a link: refused below)
+                and not (p.is_dir() and not p.is_symlink())
             )
             for entry in found:
+                if entry.is_dir():
+                    raise DataError(
+                        f"{entry} (in data folder {path}): a link to a folder, whose files are not searched; put "
+                        "them in the data folder, or name the linked folder in data.path"
+                    )
                 if problem := not_a_regular_file(entry):
                     raise DataError(f"{entry} (in data folder {path}): {problem}; remove it or move it out")
             if not found:

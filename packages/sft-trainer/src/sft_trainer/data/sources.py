@@ -125,8 +125,8 @@ def open_parquet(path: Path, messages_column: str | None):
 
 def local_files_problem(path: str, messages_column: str | None) -> str | None:
     """Why the JSONL/Parquet files ``path`` names cannot be read, or None: a folder without data files, files that
-    are all empty, a Parquet file whose footer does not read or lacks the conversation column. Only footers are read: said before any
-    worker starts."""
+    are all empty, a Parquet file whose footer does not read or lacks the conversation column. Only sizes and
+    footers are read: said before any worker starts."""
     if not reads_directly(path):
         return None
     try:
