@@ -103,6 +103,35 @@ def test_resume_refuses_optimizer_settings_the_saved_state_would_override(tmp_pa
     assert check_resume(load_config(None, [*base, "--train.weight_decay", "0.5"]), world=1) == []
 
 
+def test_resume_refuses_another_layout_or_schedule_at_the_same_rank_count(tmp_path):
+    """dp x cp at the same rank count hands each rank other rows, and warmup, decay and the floor shape the LR of
+    every step left: a resume that changes them is refused (a checkpoint that records neither passes)."""
+    ckpt = fake_checkpoint(tmp_path / "out" / "checkpoints", step=4, ranks=2)
+    base = ["--output_dir", str(tmp_path / "out"), "--checkpoint.resume", "true"]
+    cfg = load_config(None, base)
+    assert cfg.parallel.cp == 2 and check_resume(cfg, world=2) == []  # no record: as before
+    recorded = {
+        "layout": {"dp": 1, "cp": 2},
+        "schedule": {"warmup_steps": cfg.train.warmup_steps, "decay": "cosine", "min_lr_ratio": 0.1},
+    }
+    for rank in (0, 1):
+        extra = json.loads((ckpt / f"extra-rank{rank}.json").read_text())
+        (ckpt / f"extra-rank{rank}.json").write_text(json.dumps({**extra, **recorded}))
+    assert check_resume(cfg, world=2) == []
+    swapped = load_config(None, [*base, "--parallel.cp", "1", "--parallel.dp", "2"])
+    assert check_resume(swapped, world=2) == [
+        f"checkpoint.resume: {ckpt} was trained with parallel.dp=1, parallel.cp=2 and this run sets parallel.dp=2, "
+        "parallel.cp=1, which would change which rows each rank reads; resume with parallel.dp=1, parallel.cp=2, or "
+        "start a new run from its HF export (model.path)"
+    ]
+    rescheduled = load_config(None, [*base, "--train.decay", "linear", "--train.min_lr_ratio", "0.5"])
+    assert check_resume(rescheduled, world=2) == [
+        f"checkpoint.resume: {ckpt} was trained with train.decay='cosine', train.min_lr_ratio=0.1 and this run sets "
+        "train.decay='linear', train.min_lr_ratio=0.5, which would change its learning-rate schedule; resume with "
+        "train.decay='cosine', train.min_lr_ratio=0.1, or start a new run from its HF export (model.path)"
+    ]
+
+
 def test_an_export_over_the_model_it_trains_from_is_refused(tmp_path):
     out = tmp_path / "out"
     (out / "hf").mkdir(parents=True)

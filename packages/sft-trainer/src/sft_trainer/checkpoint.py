@@ -263,8 +263,9 @@ def resume_checkpoint(cfg) -> Path | None:
 def check_resume(cfg, world: int) -> list[str]:
     """Why the checkpoint to resume from cannot continue this run (empty: it can, or the run starts fresh): it must
     be an sft-train checkpoint with every rank's state readable as data, written by as many ranks as this run has
-    (each holds its rank's random state), with the same ``train.steps`` and ``grad_accum`` (the LR schedule and
-    the data order), and DCP metadata that reads through the allow-list."""
+    (each holds its rank's random state) in the same dp x cp layout, with the same ``train.steps``, ``grad_accum``
+    and schedule settings (the LR schedule and the data order), and DCP metadata that reads through the
+    allow-list."""
     try:
         path = resume_checkpoint(cfg)
     except CheckpointError as exc:
@@ -327,8 +328,38 @@ def check_resume(cfg, world: int) -> list[str]:
             f"{train.grad_accum}, which would change the data order; resume with train.grad_accum={state['grad_accum']}"
         )
     problems += _optimizer_changes(path, state, train)
+    problems += _layout_and_schedule_changes(path, state, cfg, world)
     if state["step"] > train.steps:
         problems.append(f"checkpoint.resume: {path} is at step {state['step']}, past train.steps={train.steps}")
+    return problems
+
+
+def _layout_and_schedule_changes(path: Path, state: dict[str, Any], cfg, world: int) -> list[str]:
+    """What this run changes against the checkpoint's recorded layout (dp x cp at the same rank count hands each rank
+    other rows) and learning-rate schedule (warmup, decay and floor: the scheduler's saved state keeps its step, not
+    these). A checkpoint that records neither passes."""
+    ours = {
+        "layout": {"dp": world // cfg.parallel.cp, "cp": cfg.parallel.cp},
+        "schedule": {
+            "warmup_steps": cfg.train.warmup_steps,
+            "decay": cfg.train.decay,
+            "min_lr_ratio": cfg.train.min_lr_ratio,
+        },
+    }
+    section = {"layout": "parallel", "schedule": "train"}
+    problems = []
+    for part, what in (("layout", "which rows each rank reads"), ("schedule", "its learning-rate schedule")):
+        recorded = state.get(part)
+        if not isinstance(recorded, dict):
+            continue
+        changed = [key for key, value in ours[part].items() if key in recorded and recorded[key] != value]
+        if changed:
+            was = ", ".join(f"{section[part]}.{key}={recorded[key]!r}" for key in changed)
+            now = ", ".join(f"{section[part]}.{key}={ours[part][key]!r}" for key in changed)
+            problems.append(
+                f"checkpoint.resume: {path} was trained with {was} and this run sets {now}, which would change "
+                f"{what}; resume with {was}, or start a new run from its HF export (model.path)"
+            )
     return problems
 
 

@@ -265,6 +265,12 @@ def worker(cfg) -> dict[str, Any]:
                 "data_position": done * per_step,
                 "data_fingerprint": rows.fingerprint,
                 "world_size": dp * cp,
+                "layout": {"dp": dp, "cp": cp},  # which rows each rank reads
+                "schedule": {  # what the LR scheduler's saved state does not hold
+                    "warmup_steps": cfg.train.warmup_steps,
+                    "decay": cfg.train.decay,
+                    "min_lr_ratio": cfg.train.min_lr_ratio,
+                },
                 "optimizer": {
                     "lr": cfg.train.lr,
                     "betas": list(cfg.train.betas),
