@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import importlib.util
+import io
 import json
 import pickle
 import random
@@ -489,6 +490,25 @@ def _tokenizer_with_template(tmp_path: Path, tokenizer, image_markup: str):
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     (folder / "chat_template.jinja").unlink(missing_ok=True)
     return AutoTokenizer.from_pretrained(folder)
+
+
+def test_sixteen_bit_images_scale_to_eight_bits_and_odd_sources_are_named(tmp_path):
+    """Pillow's own conversion clips a 16-bit image above 255 (nearly all white); it is scaled instead. A folder,
+    a name too long for the file system, text where bytes go, and bytes that are no image are each named."""
+    wide = np.linspace(0, 65535, 64 * 64).reshape(64, 64).astype(np.uint16)
+    buffer = io.BytesIO()
+    Image.fromarray(wide).save(buffer, format="PNG")
+    rgb = np.asarray(load_image(buffer.getvalue()))
+    assert rgb.shape == (64, 64, 3) and (rgb[..., 0] == np.rint(wide / 257.0)).all()
+    (tmp_path / "a.png").mkdir()
+    with pytest.raises(ValueError, match=r"image file '.*a\.png' is a folder"):
+        load_image("a.png", tmp_path)
+    with pytest.raises(ValueError, match="File name too long"):
+        load_image("a" * 300 + ".png", tmp_path)
+    with pytest.raises(ValueError, match=r"'bytes' must be raw bytes, not text; in JSON give the image as a 'data:"):
+        load_image({"bytes": "iVBORw0KGgo=", "path": None})
+    with pytest.raises(ValueError, match=r"^cannot decode image of 5 bytes: not an image format Pillow reads$"):
+        load_image(b"plain")
 
 
 def test_row_errors_name_file_row_and_image_or_are_skipped(tmp_path, tokenizer, processor):

@@ -7,6 +7,7 @@ import binascii
 import io
 import json
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,11 @@ def load_image(image: Any, base_dir: str | os.PathLike | None = None, outside_ok
     from PIL import Image
 
     if isinstance(image, Mapping):
+        if isinstance(image.get("bytes"), str) and image["bytes"]:  # an HF Image column written out as JSON
+            raise ValueError(
+                "an image's 'bytes' must be raw bytes, not text; in JSON give the image as a "
+                "'data:image/...;base64,<data>' URI or as a file path"
+            )
         image = image.get("bytes") or image.get("path")
     if isinstance(image, str) and image.startswith("data:"):
         header, sep, payload = image.partition(",")
@@ -80,18 +86,45 @@ def load_image(image: Any, base_dir: str | os.PathLike | None = None, outside_ok
                     "to it, or set data.image_paths_outside = true to allow others"
                 )
             path = Path(base_dir) / path
-        if not path.is_file():
-            raise ValueError(f"image file '{path}' does not exist")
+        try:
+            if not path.is_file():
+                what = (
+                    "is a folder" if path.is_dir() else "is not a regular file" if path.exists() else "does not exist"
+                )
+                raise ValueError(f"image file '{path}' {what}")
+        except OSError as exc:  # a name too long for the file system, say
+            raise ValueError(f"image path {_describe(str(path))}: {exc.strerror or exc}") from None
         source, label = path, f"image file '{path}'"
     elif isinstance(image, bytes):
         source, label = io.BytesIO(image), f"image of {len(image)} bytes"
     else:
         raise ValueError(f"cannot read an image from {_describe(image)}")
     try:
-        with Image.open(source) as opened:
-            return opened.convert("RGB")
-    except Exception as exc:  # PIL raises several types (UnidentifiedImageError, OSError, SyntaxError, ...)
+        with warnings.catch_warnings():  # a large image is read (the processor resizes it); past 2x the limit, refused
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(source) as opened:
+                return _to_rgb(opened)
+    except ValueError:
+        raise
+    except Image.UnidentifiedImageError:
+        raise ValueError(f"cannot decode {label}: not an image format Pillow reads") from None
+    except Exception as exc:  # PIL raises several types (OSError, SyntaxError, DecompressionBombError, ...)
         raise ValueError(f"cannot decode {label}: {exc}") from None
+
+
+def _to_rgb(image):
+    """8-bit RGB. 16-bit grayscale (modes I;16*, and I as PNG and TIFF give it) is scaled to 8 bits: Pillow's own
+    conversion clips every value above 255, which turns such an image nearly white."""
+    from PIL import Image
+
+    if image.mode == "F":
+        raise ValueError(f"a floating-point image (mode {image.mode}) has no fixed range: save it as 8-bit")
+    if image.mode == "I" or image.mode.startswith("I;16"):
+        import numpy as np
+
+        wide = np.asarray(image, dtype=np.float64)
+        image = Image.fromarray(np.clip(np.rint(wide / 257.0), 0, 255).astype(np.uint8), mode="L")
+    return image.convert("RGB")
 
 
 def load_image_processor(folder: str | os.PathLike):
