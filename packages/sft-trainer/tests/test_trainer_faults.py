@@ -1,6 +1,6 @@
 """Faults while a run is going (CPU, gloo, cp = 2): a second run into the same folder, a frozen worker (heartbeat
-and collective timeout), a killed launcher, SIGINT to the launcher alone, a full disk during a save. Each ends
-with its exit code and one line, within the time asserted, and leaves no folder held."""
+and collective timeout), a killed launcher, SIGINT and SIGTERM to the launcher alone, a full disk during a save.
+Each ends with its exit code and one line, within the time asserted, and leaves no folder held."""
 
 from __future__ import annotations
 
@@ -161,6 +161,19 @@ def test_sigint_to_the_launcher_stops_the_workers_and_a_killed_launcher_frees_th
     assert one_line_failure(done, code=130) == "sft-train: interrupted (SIGINT); every worker was stopped"
     assert _gone(workers, 5) and waited < 15, waited
     steps = (out / "metrics.jsonl").read_text().count("\n")
+    # SIGTERM (a scheduler's preemption or cancel): the same clean stop, said as such
+    out = tmp_path / "terminated"
+    run = _start(out)
+    try:
+        _wait_for_step(out, run)
+        workers = _workers(run.pid)
+        run.terminate()
+        done, _ = _finish(run, timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert one_line_failure(done, code=143) == "sft-train: terminated (SIGTERM); every worker was stopped"
+    assert _gone(workers, 5)
     # SIGKILL to the launcher (a crash): its workers notice within a second or two and stop; the folder is free
     out = tmp_path / "crashed"
     run = _start(out)

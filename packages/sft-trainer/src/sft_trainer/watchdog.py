@@ -235,6 +235,9 @@ def run_workers(target, args: tuple, world: int, heartbeat_timeout_s: float, sta
     )
     processes = context.processes
     running = {p.sentinel: rank for rank, p in enumerate(processes)}
+    # a scheduler's SIGTERM (preemption, a cancelled job) stops the run as Ctrl-C does, saying so
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main else None
     try:
         while running:
             for sentinel in wait(list(running), timeout=0.5):
@@ -255,17 +258,32 @@ def run_workers(target, args: tuple, world: int, heartbeat_timeout_s: float, sta
                             f"{now - last:.0f} s (parallel.heartbeat_timeout_s={heartbeat_timeout_s:g}); every "
                             "worker was stopped (a process stopped by a signal, or stuck in native code)"
                         )
-    except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
-        for p in processes:
+    except (KeyboardInterrupt, _Terminated) as exc:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second signal must not cut the clean-up short
+        if in_main:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for p in processes:  # the workers' own clean stop (they raise KeyboardInterrupt) for either signal
             if p.is_alive():
                 os.kill(p.pid, signal.SIGINT)
         deadline = time.monotonic() + 10.0
         for p in processes:
             p.join(max(0.0, deadline - time.monotonic()))
         _end(processes)
-        print("sft-train: interrupted (SIGINT); every worker was stopped", file=sys.stderr)
-        raise SystemExit(130) from None
+        name, code = ("SIGTERM", 143) if isinstance(exc, _Terminated) else ("SIGINT", 130)
+        verb = "terminated" if name == "SIGTERM" else "interrupted"
+        print(f"sft-train: {verb} ({name}); every worker was stopped", file=sys.stderr)
+        raise SystemExit(code) from None
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class _Terminated(Exception):
+    """The launcher received SIGTERM."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated
 
 
 def _worker_entry(rank: int, target, environ: dict[str, str], *args) -> None:
