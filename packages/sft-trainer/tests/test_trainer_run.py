@@ -145,10 +145,11 @@ def test_data_change_is_refused_unless_allowed(tmp_path):
 
 
 def test_data_without_rows_stops_with_one_clean_line(tmp_path):
-    """A problem every worker meets alike (here: a data file with no conversation) ends the run with the field,
-    the value and the reason on one line, not a traceback per process."""
+    """A problem every worker meets alike (here: a data file of blank lines, no conversation; a file of 0 bytes is
+    refused before launch) ends the run with the field, the value and the reason on one line, not a traceback per
+    process."""
     empty = tmp_path / "empty.jsonl"
-    empty.write_text("")
+    empty.write_text("\n\n")
     proc = subprocess.run(
         [sys.executable, "-c", "from sft_trainer.cli import main; main()", "--output_dir", str(tmp_path / "out"),
          "--data.path", str(empty), "--data.seq_len", "128"],
