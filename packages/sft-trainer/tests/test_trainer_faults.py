@@ -145,50 +145,39 @@ def test_a_collective_timeout_ends_a_frozen_run_without_heartbeats(tmp_path):
     print(f"collective timeout: run ended {waited:.1f} s after SIGSTOP")
 
 
-def test_sigint_to_the_launcher_stops_the_workers_and_a_killed_launcher_frees_the_folder(tmp_path):
-    out = tmp_path / "out"
+def _signal_the_launcher(out, sig: signal.Signals):
+    """Start a run into ``out``, send ``sig`` to its launcher alone (not its process group) once a step is done;
+    ``(the finished process or None for SIGKILL, its workers, seconds from the signal to the end, its pid)``."""
     run = _start(out)
     try:
         _wait_for_step(out, run)
         workers = _workers(run.pid)
-        run.send_signal(signal.SIGINT)  # the launcher alone, not its process group
+        run.send_signal(sig)
         sent = time.monotonic()
+        if sig == signal.SIGKILL:
+            run.wait()
+            assert _gone(workers, 10), [_state(p) for p in workers]
+            return None, workers, time.monotonic() - sent, run.pid
         done, _ = _finish(run, timeout=60)
-        waited = time.monotonic() - sent
+        return done, workers, time.monotonic() - sent, run.pid
     finally:
         if run.poll() is None:
             run.kill()
+
+
+def test_sigint_to_the_launcher_stops_the_workers_and_a_killed_launcher_frees_the_folder(tmp_path):
+    done, workers, waited, _ = _signal_the_launcher(tmp_path / "out", signal.SIGINT)
     assert one_line_failure(done, code=130) == "sft-train: interrupted (SIGINT); every worker was stopped"
     assert _gone(workers, 5) and waited < 15, waited
-    steps = (out / "metrics.jsonl").read_text().count("\n")
+    steps = (tmp_path / "out" / "metrics.jsonl").read_text().count("\n")
     # SIGTERM (a scheduler's preemption or cancel): the same clean stop, said as such
-    out = tmp_path / "terminated"
-    run = _start(out)
-    try:
-        _wait_for_step(out, run)
-        workers = _workers(run.pid)
-        run.terminate()
-        done, _ = _finish(run, timeout=60)
-    finally:
-        if run.poll() is None:
-            run.kill()
+    done, workers, _, _ = _signal_the_launcher(tmp_path / "terminated", signal.SIGTERM)
     assert one_line_failure(done, code=143) == "sft-train: terminated (SIGTERM); every worker was stopped"
     assert _gone(workers, 5)
     # SIGKILL to the launcher (a crash): its workers notice within a second or two and stop; the folder is free
     out = tmp_path / "crashed"
-    run = _start(out)
-    try:
-        _wait_for_step(out, run)
-        workers = _workers(run.pid)
-        run.kill()
-        killed = time.monotonic()
-        run.wait()
-        assert _gone(workers, 10), [_state(p) for p in workers]
-        orphans_gone = time.monotonic() - killed
-    finally:
-        if run.poll() is None:
-            run.kill()
-    assert json.loads((out / LOCK_NAME).read_text())["pid"] == run.pid  # the file stays, the hold does not
+    _, _, orphans_gone, pid = _signal_the_launcher(out, signal.SIGKILL)
+    assert json.loads((out / LOCK_NAME).read_text())["pid"] == pid  # the file stays, the hold does not
     hold_run_folders(load_config(None, ["--output_dir", str(out)]))
     print(f"SIGINT: {waited:.1f} s ({steps} steps); killed launcher: workers gone in {orphans_gone:.1f} s")
 
