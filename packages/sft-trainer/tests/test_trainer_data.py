@@ -314,6 +314,16 @@ def test_a_conversation_that_opens_with_a_reply_trains_on_its_text(tokenizer):
     assert [preamble.decode(run) for run in _masked_runs(ids, mask)] == ["helpful<|im_end|>"]
     unmasked = preamble.decode([t for t, f in zip(ids, mask, strict=True) if not f])
     assert unmasked.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>assistant\n")
+    # a template that refuses a conversation without a user turn (as Qwen3's do) still renders the stand-in
+    needs_user = copy.deepcopy(tokenizer)
+    needs_user.chat_template = (
+        "{% if messages | selectattr('role', 'equalto', 'user') | list | length == 0 %}"
+        "{{ raise_exception('No user query found in messages.') }}{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    ids, mask = tokenize_conversation(needs_user, messages)
+    assert [needs_user.decode(run) for run in _masked_runs(ids, mask)] == ["helpful<|im_end|>"]
 
 
 def test_empty_assistant_turn_adds_no_loss_tokens(tokenizer):

@@ -91,11 +91,13 @@ def assistant_spans(
 _STAND_IN = "sft-train-reply-stand-in-7f3a9c"
 
 
-def _before_first_reply(renderer: ChatRenderer, message: dict[str, Any]) -> str | None:
+def _before_first_reply(renderer: ChatRenderer, messages: list[dict[str, Any]]) -> str | None:
     """What the template renders before the text of a reply that opens the conversation (a default system
-    prompt, the role header): the rendering of that message with a stand-in text, up to the stand-in. None when
-    the template drops the stand-in."""
-    rendered = renderer.render(renderer.prepare([{"role": message["role"], "content": _STAND_IN}]), False)
+    prompt, the role header): the conversation rendered with a stand-in for that reply's content, up to the
+    stand-in (the whole conversation, as templates that look for a user turn need it). None when the template
+    drops the stand-in."""
+    stand_in = [{**messages[0], "content": _STAND_IN}, *messages[1:]]
+    rendered = renderer.render(renderer.prepare(stand_in), False)
     at = rendered.find(_STAND_IN)
     return None if at < 0 else rendered[:at]
 
@@ -113,7 +115,7 @@ def _spans(
         if message["role"] != "assistant" or not any(texts):
             continue
         # a reply at messages[0] has nothing before it to render (apply_chat_template refuses an empty list)
-        prefix = _before_first_reply(renderer, message) if i == 0 else renderer.render(prepared[:i], True)
+        prefix = _before_first_reply(renderer, messages) if i == 0 else renderer.render(prepared[:i], True)
         if prefix is None or not full.startswith(prefix):
             raise ValueError(
                 f"the chat template is not prefix-stable at messages[{i}]: rendering the messages before it with "
