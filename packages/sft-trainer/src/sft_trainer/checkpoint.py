@@ -327,59 +327,50 @@ def check_resume(cfg, world: int) -> list[str]:
             f"checkpoint.resume: {path} was trained with train.grad_accum={state['grad_accum']} and this run sets "
             f"{train.grad_accum}, which would change the data order; resume with train.grad_accum={state['grad_accum']}"
         )
-    problems += _optimizer_changes(path, state, train)
-    problems += _layout_and_schedule_changes(path, state, cfg, world)
+    problems += _settings_changes(cfg, path, state, world)
     if state["step"] > train.steps:
         problems.append(f"checkpoint.resume: {path} is at step {state['step']}, past train.steps={train.steps}")
     return problems
 
 
-def _layout_and_schedule_changes(path: Path, state: dict[str, Any], cfg, world: int) -> list[str]:
-    """What this run changes against the checkpoint's recorded layout (dp x cp at the same rank count hands each rank
-    other rows) and learning-rate schedule (warmup, decay and floor: the scheduler's saved state keeps its step, not
-    these). A checkpoint that records neither passes."""
-    ours = {
-        "layout": {"dp": world // cfg.parallel.cp, "cp": cfg.parallel.cp},
-        "schedule": {
-            "warmup_steps": cfg.train.warmup_steps,
-            "decay": cfg.train.decay,
-            "min_lr_ratio": cfg.train.min_lr_ratio,
-        },
+def resume_settings(cfg, dp: int, cp: int) -> dict[str, dict[str, Any]]:
+    """The settings a checkpoint records for a resume to match, by part: the dp x cp layout (at the same rank count
+    another one hands each rank other rows), the LR schedule's shape (the scheduler's saved state keeps its step,
+    not these) and the optimizer's settings (AdamW's saved param groups would override a change)."""
+    train = cfg.train
+    return {
+        "layout": {"dp": dp, "cp": cp},
+        "schedule": {"warmup_steps": train.warmup_steps, "decay": train.decay, "min_lr_ratio": train.min_lr_ratio},
+        "optimizer": {"lr": train.lr, "betas": list(train.betas), "weight_decay": train.weight_decay},
     }
-    section = {"layout": "parallel", "schedule": "train"}
+
+
+def _settings_changes(cfg, path: Path, state: dict[str, Any], world: int) -> list[str]:
+    """One line per recorded part (:func:`resume_settings`) this run changes; a part a checkpoint does not record
+    passes. A checkpoint without the optimizer's record is held to its schedule's base lr."""
+    ours = resume_settings(cfg, world // cfg.parallel.cp, cfg.parallel.cp)
+    optimizer = state.get("optimizer")
+    if not isinstance(optimizer, dict):
+        base_lrs = state["scheduler"].get("base_lrs")
+        optimizer = {"lr": base_lrs[0]} if isinstance(base_lrs, list) and base_lrs else {}
+    parts = (
+        ("optimizer", optimizer, "train", "which the optimizer's saved state would override"),
+        ("layout", state.get("layout"), "parallel", "which would change which rows each rank reads"),
+        ("schedule", state.get("schedule"), "train", "which would change its learning-rate schedule"),
+    )
     problems = []
-    for part, what in (("layout", "which rows each rank reads"), ("schedule", "its learning-rate schedule")):
-        recorded = state.get(part)
+    for part, recorded, section, consequence in parts:
         if not isinstance(recorded, dict):
             continue
         changed = [key for key, value in ours[part].items() if key in recorded and recorded[key] != value]
         if changed:
-            was = ", ".join(f"{section[part]}.{key}={recorded[key]!r}" for key in changed)
-            now = ", ".join(f"{section[part]}.{key}={ours[part][key]!r}" for key in changed)
+            was = ", ".join(f"{section}.{key}={recorded[key]!r}" for key in changed)
+            now = ", ".join(f"{section}.{key}={ours[part][key]!r}" for key in changed)
             problems.append(
-                f"checkpoint.resume: {path} was trained with {was} and this run sets {now}, which would change "
-                f"{what}; resume with {was}, or start a new run from its HF export (model.path)"
+                f"checkpoint.resume: {path} was trained with {was} and this run sets {now}, {consequence}; resume "
+                f"with {was}, or start a new run from its HF export (model.path)"
             )
     return problems
-
-
-def _optimizer_changes(path: Path, state: dict[str, Any], train) -> list[str]:
-    """The optimizer settings this run changes against the checkpoint, which AdamW's saved state would silently
-    override on resume (its param groups come back as saved): the recorded ones, else the schedule's base lr."""
-    recorded = state.get("optimizer")
-    if not isinstance(recorded, dict):
-        base_lrs = state["scheduler"].get("base_lrs")
-        recorded = {"lr": base_lrs[0]} if isinstance(base_lrs, list) and base_lrs else {}
-    ours = {"lr": train.lr, "betas": list(train.betas), "weight_decay": train.weight_decay}
-    changed = [key for key in ("lr", "betas", "weight_decay") if key in recorded and recorded[key] != ours[key]]
-    if not changed:
-        return []
-    was = ", ".join(f"train.{key}={recorded[key]}" for key in changed)
-    now = ", ".join(f"train.{key}={ours[key]}" for key in changed)
-    return [
-        f"checkpoint.resume: {path} was trained with {was} and this run sets {now}, which the optimizer's saved "
-        f"state would override; resume with {was}, or start a new run from its HF export (model.path)"
-    ]
 
 
 def data_change_problem(cfg, fingerprint: str) -> str | None:

@@ -24,6 +24,7 @@ from sft_trainer.checkpoint import (
     data_change_problem,
     maybe_resume,
     resume_checkpoint,
+    resume_settings,
     save_checkpoint,
 )
 from sft_trainer.job_failure import announce_store, one_line, report_exception, say_once
@@ -265,17 +266,7 @@ def worker(cfg) -> dict[str, Any]:
                 "data_position": done * per_step,
                 "data_fingerprint": rows.fingerprint,
                 "world_size": dp * cp,
-                "layout": {"dp": dp, "cp": cp},  # which rows each rank reads
-                "schedule": {  # what the LR scheduler's saved state does not hold
-                    "warmup_steps": cfg.train.warmup_steps,
-                    "decay": cfg.train.decay,
-                    "min_lr_ratio": cfg.train.min_lr_ratio,
-                },
-                "optimizer": {
-                    "lr": cfg.train.lr,
-                    "betas": list(cfg.train.betas),
-                    "weight_decay": cfg.train.weight_decay,
-                },
+                **resume_settings(cfg, dp, cp),
             }
 
         nonfinite = 0  # consecutive skipped steps
