@@ -264,6 +264,14 @@ def test_a_run_whose_rows_are_all_skipped_names_the_first_reason(tmp_path, monke
                          "string")  # fmt: skip
 
 
+def test_no_rows_because_every_document_was_dropped_says_so(tmp_path, tokenizer):
+    path = _write_jsonl(tmp_path / "chats.jsonl", [_good("a long enough question"), _good("and another one")])
+    with pytest.raises(
+        DataError, match=r"no packed rows: .*; all 2 document\(s\) were longer than data\.seq_len=8 and"
+    ):
+        PackedDataset.build(path, tokenizer, 8, overlong="drop")
+
+
 def test_skipped_rows_reach_the_dataset_stats(tmp_path, tokenizer):
     path = _write_jsonl(tmp_path / "chats.jsonl", [_good("a"), "{bad", _good("b")])
     dataset = PackedDataset.build(path, tokenizer, 64, on_error="skip")

@@ -24,7 +24,7 @@ from sft_trainer.data.conversations import (
     validate_messages,
 )
 from sft_trainer.data.images import VisionTokens
-from sft_trainer.data.packing import PackedRow, PackStats, pack_examples
+from sft_trainer.data.packing import PackedRow, PackStats, no_rows_error, pack_examples
 from sft_trainer.data.render import ChatRenderer, ChatTemplateError, as_row_error
 
 
@@ -39,17 +39,7 @@ class PackedDataset(Dataset):
 
     def __init__(self, rows: Sequence[PackedRow], stats: PackStats, *, seq_len: int, seed: int = 0):
         if not rows:
-            hint = ""
-            if stats.dropped:
-                hint = (
-                    f"; all {stats.dropped} document(s) were longer than data.seq_len={seq_len} and "
-                    "data.overlong='drop' dropped them: raise data.seq_len or set data.overlong='truncate'"
-                )
-            elif not stats.documents and stats.skipped_malformed:
-                hint = "; every row was skipped as malformed (on_error='skip'): on_error='raise' names the first"
-            elif not stats.documents:
-                hint = "; the data holds no conversation with any tokens"
-            raise DataError(f"no packed rows: nothing to train on ({stats.summary()}){hint}")
+            raise no_rows_error(stats, seq_len)
         self.seq_len = seq_len
         self.seed = seed
         self.stats = stats

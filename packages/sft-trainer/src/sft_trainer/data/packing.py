@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import torch
 
 from sft_trainer.data.chat import TokenizedConversation
-from sft_trainer.data.conversations import IGNORE_INDEX, Overlong
+from sft_trainer.data.conversations import IGNORE_INDEX, DataError, Overlong
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,26 @@ class PackStats:
         return ", ".join(f"{k}={v}" for k, v in asdict(self).items())
 
     __str__ = summary
+
+
+def no_rows_error(stats: PackStats, seq_len: int, first_skipped: str | None = None) -> DataError:
+    """The error of a packing that made no row, with why where the stats tell: every document dropped as too long,
+    every row skipped as malformed (``first_skipped``: the first one's reason, where it was kept), or no tokens."""
+    hint = ""
+    if stats.dropped:
+        hint = (
+            f"; all {stats.dropped} document(s) were longer than data.seq_len={seq_len} and "
+            "data.overlong='drop' dropped them: raise data.seq_len or set data.overlong='truncate'"
+        )
+    elif not stats.documents and stats.skipped_malformed:
+        hint = (
+            f"; every row was skipped as malformed (data.on_error='skip'), the first: {first_skipped}"
+            if first_skipped is not None
+            else "; every row was skipped as malformed (on_error='skip'): on_error='raise' names the first"
+        )
+    elif not stats.documents:
+        hint = "; the data holds no conversation with any tokens"
+    return DataError(f"no packed rows: nothing to train on ({stats.summary()}){hint}")
 
 
 class PackResult(NamedTuple):

@@ -32,7 +32,7 @@ from sft_trainer.data.conversations import IGNORE_INDEX, DataError, OnError, Ove
 from sft_trainer.data.dataset import _portable_error
 from sft_trainer.data.images import VisionTokens, load_image
 from sft_trainer.data.pack_plan import PackPlan, open_or_write_pack_plan, plan_key
-from sft_trainer.data.packing import PackedRow, PackStats
+from sft_trainer.data.packing import PackedRow, PackStats, no_rows_error
 from sft_trainer.data.sources import needs_datasets, resolve_data_files
 from sft_trainer.data.tokenize import default_num_proc, options_for_key, token_options, write_token_store
 
@@ -58,18 +58,8 @@ class StoreDataset(Dataset):
         image_paths_outside: bool = False,
     ):
         if plan.stats.rows == 0:
-            stats, hint = plan.stats, ""
-            if stats.dropped:
-                hint = (
-                    f"; all {stats.dropped} document(s) were longer than data.seq_len={plan.seq_len} and "
-                    "data.overlong='drop' dropped them: raise data.seq_len or set data.overlong='truncate'"
-                )
-            elif not stats.documents and stats.skipped_malformed:
-                first = (store.manifest.get("skip_reasons") or ["(not recorded)"])[0]
-                hint = f"; every row was skipped as malformed (data.on_error='skip'), the first: {first}"
-            elif not stats.documents:
-                hint = "; the data holds no conversation with any tokens"
-            raise DataError(f"no packed rows: nothing to train on ({stats.summary()}){hint}")
+            first_skipped = (store.manifest.get("skip_reasons") or ["(not recorded)"])[0]
+            raise no_rows_error(plan.stats, plan.seq_len, first_skipped)
         if store.has_images and image_processor is None:
             raise DataError(
                 f"{store.arrays['image_grid'].shape[0]} image(s) in the data but no image processor is set: train a "
